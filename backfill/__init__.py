@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> object:
     # LLM pulls in torch and the model; import it lazily so `import backfill` stays light.
     if name == "LLM":
-        from backfill.engine.llm_engine import LLM
+        from backfill.engine.llm import LLM
 
         return LLM
     raise AttributeError(name)

@@ -1,0 +1,106 @@
+"""ModelRunner: owns the weights, the paged KV cache and the sampler; runs one step."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from backfill.config import EngineConfig
+from backfill.core.outputs import ModelRunnerOutput, SchedulerOutput
+from backfill.model.loader import load_model
+from backfill.worker.input_batch import build_batch
+from backfill.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+# Default KV pool when `num_kv_blocks` is not given: enough for every sequence slot at full
+# context, capped at this many bytes (the cap binds for long-context models).
+DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        # bf16 is the fast dtype on modern CPUs (AVX-512 BF16 / AMX) and on GPUs.
+        return torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class ModelRunner:
+    """The data plane of the engine: tensors live here and nowhere else.
+
+    `execute()` takes a plain `SchedulerOutput` and returns a plain `ModelRunnerOutput`; the
+    KV cache it writes is addressed only through the block ids the scheduler hands out.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype)
+        if config.num_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.model = load_model(config.model, self.dtype, self.device)
+        self.model_config = self.model.config
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.block_size = config.block_size
+        self.num_kv_blocks = config.num_kv_blocks or self._default_num_kv_blocks()
+        self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+        self.sampler = Sampler(
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=self.model_config.eos_token_ids,
+            device=self.device,
+            seed=config.seed,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        cfg = self.model_config
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_size
+
+    def _default_num_kv_blocks(self) -> int:
+        want = self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
+        cap = DEFAULT_KV_CACHE_BYTES // (self.kv_bytes_per_token * self.block_size)
+        return max(1, min(want, cap))
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.model_config
+        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB)",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_size * self.kv_bytes_per_token / 2**20,
+        )
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),  # K [blocks, block_size, kv_heads, head_dim]
+                torch.zeros(shape, dtype=self.dtype, device=self.device),  # V [blocks, block_size, kv_heads, head_dim]
+            )
+            for _ in range(cfg.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: forward over every scheduled token, sample where `sample` is set."""
+        for request_id in scheduler_output.finished_request_ids:
+            self.sampler.remove_request(request_id)
+        for item in scheduler_output.scheduled:
+            if item.new_request is not None:
+                new = item.new_request
+                self.sampler.add_request(new.request_id, new.params, new.prompt_token_ids)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
+
+        batch = build_batch(scheduler_output, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)  # [T, hidden]
+        if not batch.sample_request_ids:  # only partial prompt chunks this step
+            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
+        logits = self.model.compute_logits(hidden[batch.logits_index])  # [S_sample, vocab] float32
+        sampled = self.sampler.sample(batch.sample_request_ids, logits)
+        return ModelRunnerOutput(
+            request_ids=batch.sample_request_ids,
+            sampled_token_ids=sampled.token_ids,
+            logprobs=sampled.logprobs,
+        )
