@@ -107,6 +107,9 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         prompt_text, prompt_token_ids = self._encode_prompt(prompt)
         self._check_lengths(prompt_token_ids, params)
+        for token_id in params.logit_bias or {}:
+            if token_id >= self._vocab_size:
+                raise ValueError(f"logit_bias: token id {token_id} is outside the vocabulary [0, {self._vocab_size})")
         group = _Group(request_id, prompt_text, prompt_token_ids, arrival_time or time.monotonic())
         for index in range(params.n):
             seq_params = params
@@ -221,6 +224,8 @@ class LLMEngine:
             request.finish_reason, request.stop_reason = FinishReason.STOP, stop
         elif request.is_finished:
             seq.detokenizer.flush()
+            if seq.detokenizer.stop_str is not None:  # held-back text completed a stop string
+                request.finish_reason, request.stop_reason = FinishReason.STOP, seq.detokenizer.stop_str
         seq.done = request.is_finished
 
     def _make_output(self, group: _Group, seqs: list[_Sequence]) -> RequestOutput:

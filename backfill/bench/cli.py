@@ -1,0 +1,326 @@
+"""`backfill bench ...`: workload | serve | offline | compare | roofline.
+
+The `backfill` CLI calls `add_bench_subparser` and `run_bench`; `python -m backfill.bench.cli`
+runs the same commands on their own. Heavy imports (torch, the engine) happen inside the
+command that needs them: `bench serve` and `bench workload` never load a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from backfill.config import DTYPES
+from backfill.bench.workloads import ARRIVAL_KINDS, WORKLOAD_KINDS, WorkloadRequest, WorkloadSpec
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RESULTS_DIR = Path("bench_results")
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text}")
+    return value
+
+
+def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("generated workload (used when no --workload file is given)")
+    group.add_argument("--num-requests", type=int, default=64)
+    group.add_argument("--kind", choices=WORKLOAD_KINDS, default="mixed")
+    group.add_argument("--short-share", type=float, default=0.5, help="mixed: share of short requests")
+    group.add_argument("--short-tokens", type=int, nargs=2, default=(2, 8), metavar=("MIN", "MAX"))
+    group.add_argument("--long-tokens", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
+    group.add_argument("--uniform-tokens", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    group.add_argument("--prompt-words", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
+    group.add_argument("--arrival", choices=ARRIVAL_KINDS, default="all-at-once")
+    group.add_argument("--arrival-rate", type=_rate, default=1.0, help="poisson/gamma: requests per second")
+    group.add_argument("--arrival-burstiness", type=float, default=1.0, help="gamma shape (<1 burstier)")
+    group.add_argument("--seed", type=int, default=0)
+
+
+def _spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(
+        num_requests=args.num_requests, kind=args.kind, short_share=args.short_share,
+        short_tokens=tuple(args.short_tokens), long_tokens=tuple(args.long_tokens),
+        uniform_tokens=tuple(args.uniform_tokens), prompt_words=tuple(args.prompt_words),
+        arrival=args.arrival, request_rate=args.arrival_rate, burstiness=args.arrival_burstiness, seed=args.seed,
+    )
+
+
+def _workload_from_args(args: argparse.Namespace) -> list[WorkloadRequest]:
+    from backfill.bench.workloads import generate_workload, load_workload
+
+    if getattr(args, "workload", None):
+        return load_workload(args.workload)
+    return generate_workload(_spec_from_args(args))
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-model-len", type=int, default=1024, help="context cap (bounds the KV pool)")
+
+
+def add_bench_subparser(subparsers: Any) -> None:
+    """Add `bench` and its sub-commands to an argparse sub-parser collection."""
+    bench = subparsers.add_parser("bench", help="measure throughput, latency and slot use")
+    commands = bench.add_subparsers(dest="bench_command", required=True)
+
+    workload = commands.add_parser("workload", help="write a seeded workload as JSON lines")
+    workload.add_argument("--output", "-o", required=True, help="JSON-lines file to write")
+    _add_spec_arguments(workload)
+
+    serve = commands.add_parser("serve", help="replay a workload against an OpenAI-compatible server")
+    serve.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    serve.add_argument("--workload", required=True, help="JSON-lines workload file")
+    serve.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    serve.add_argument("--endpoint", default="/v1/completions")
+    serve.add_argument("--request-rate", type=_rate, nargs="+", default=None,
+                       help="requests/s (inf: all at once); several values run a sweep. Default: the workload's arrival times")
+    serve.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
+    serve.add_argument("--seed", type=int, default=0, help="seeds the drawn arrivals")
+    serve.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50")
+    serve.add_argument("--percentiles", type=float, nargs="+", default=[50.0, 99.0])
+    serve.add_argument("--result-file", default=None, help="JSON to write (a sweep adds -rate<R> to the name)")
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--num-warmups", type=int, default=1)
+    serve.add_argument("--num-slots", type=int, default=None,
+                       help="the server's batch slots (max-num-seqs), to estimate idle-slot cost")
+    serve.add_argument("--price-per-hour", type=float, default=None, help="USD per hour of the machine")
+    serve.add_argument("--plot", action="store_true", help="write throughput/TTFT-vs-rate and latency CDF PNGs")
+    serve.add_argument("--label", default="server", help="series name in plots")
+    serve.add_argument("--no-progress", action="store_true")
+
+    offline = commands.add_parser("offline", help="run the engine in-process on a workload")
+    offline.add_argument("--workload", default=None, help="JSON-lines workload (default: generate one)")
+    offline.add_argument("--policy", choices=("continuous", "static", "both"), default="both")
+    offline.add_argument("--max-num-seqs", type=int, default=16)
+    offline.add_argument("--repeats", type=int, default=1)
+    _add_engine_arguments(offline)
+    _add_common_report_arguments(offline)
+    _add_spec_arguments(offline)
+
+    compare = commands.add_parser("compare", help="backfill continuous vs static vs transformers generate()")
+    compare.add_argument("--workload", default=None, help="JSON-lines workload (default: generate one)")
+    compare.add_argument("--batch-size", type=int, default=16, help="max-num-seqs for backfill, batch for generate()")
+    compare.add_argument("--repeats", type=int, default=3)
+    compare.add_argument("--systems", nargs="+", choices=("continuous", "static", "hf"), default=["continuous", "static", "hf"])
+    _add_engine_arguments(compare)
+    _add_common_report_arguments(compare)
+    _add_spec_arguments(compare)
+
+    roofline = commands.add_parser("roofline", help="measure this machine's limits and the ideal decode step")
+    roofline.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    roofline.add_argument("--context-len", type=int, default=128, help="tokens of context per sequence")
+    roofline.add_argument("--measure-steps", type=int, default=8,
+                          help="decode steps to time per batch size with the engine (0: skip)")
+    roofline.add_argument("--result-file", default=None)
+    _add_engine_arguments(roofline)
+
+
+def _add_common_report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--result-file", default=None, help="JSON to write (PNGs go next to it)")
+    parser.add_argument("--plot", action="store_true", help="write the slot timeline and latency CDF PNGs")
+    parser.add_argument("--price-per-hour", type=float, default=None, help="USD per hour of the machine")
+    parser.add_argument("--no-roofline", action="store_true", help="skip measuring the machine's roofline")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=_json_default, allow_nan=True) + "\n")
+    print(f"wrote {path}")
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "__dict__"):
+        return value.__dict__
+    return str(value)
+
+
+def _result_path(args: argparse.Namespace, stem: str) -> Path:
+    if args.result_file:
+        return Path(args.result_file)
+    from datetime import datetime
+
+    return DEFAULT_RESULTS_DIR / f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+
+
+def _cmd_workload(args: argparse.Namespace) -> int:
+    from backfill.bench.workloads import describe_workload, generate_workload, save_workload
+
+    requests = generate_workload(_spec_from_args(args))
+    save_workload(requests, args.output)
+    print(json.dumps(describe_workload(requests)))
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from backfill.bench.economics import estimate_wasted_share, format_economics, unit_economics
+    from backfill.bench.metrics import RequestResult, format_summary, parse_goodput
+    from backfill.bench.serve_client import ServeBenchConfig, run_serve_benchmark
+    from backfill.bench.workloads import load_workload
+
+    requests = load_workload(args.workload)
+    slo = parse_goodput(args.goodput)
+    rates: list[float | None] = list(args.request_rate) if args.request_rate else [None]
+    base = _result_path(args, "serve")
+    results = []
+    for rate in rates:
+        config = ServeBenchConfig(
+            base_url=args.base_url, model=args.model, endpoint=args.endpoint, request_rate=rate,
+            burstiness=args.burstiness, seed=args.seed, goodput_slo_ms=slo, percentiles=tuple(args.percentiles),
+            api_key=args.api_key, num_warmups=args.num_warmups, show_progress=not args.no_progress,
+        )
+        result = run_serve_benchmark(requests, config)
+        print(format_summary(result))
+        delta = result["server_generation_tokens_delta"]
+        if delta is not None:
+            status = "matches" if int(delta) == result["total_output_tokens"] else "DOES NOT match"
+            print(f"server /metrics generation tokens delta: {delta:.0f} ({status} the {result['total_output_tokens']} received)")
+        if args.price_per_hour is not None:
+            wasted = None
+            if args.num_slots:
+                intervals = [RequestResult(success=not error, start_time=start, latency=e2el)
+                             for error, start, e2el in zip(result["errors"], result["start_times"], result["e2els"])]
+                wasted = estimate_wasted_share(intervals, args.num_slots, result["duration"])
+            econ = unit_economics(args.price_per_hour, result["duration"], result["total_output_tokens"], wasted,
+                                  "client-side estimate from in-flight requests" if wasted is not None else "")
+            result["economics"] = econ
+            print(format_economics(econ))
+        path = base if len(rates) == 1 else base.with_name(f"{base.stem}-rate{_rate_name(rate)}{base.suffix}")
+        _write_json(path, result)
+        results.append(result)
+    if args.plot:
+        from backfill.bench.plots import plot_latency_cdf, plot_rate_sweep
+
+        print(f"wrote {plot_rate_sweep({args.label: results}, base.with_name(base.stem + '_rate_sweep.png'))}")
+        cdf = {f"{args.label} @ {r['request_rate']}": {"ttft": r["ttfts"], "e2el": r["e2els"]} for r in results}
+        print(f"wrote {plot_latency_cdf(cdf, base.with_name(base.stem + '_latency_cdf.png'))}")
+    return 0 if all(r["failed"] == 0 for r in results) else 1
+
+
+def _rate_name(rate: float | None) -> str:
+    if rate is None:
+        return "workload"
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _measure_roofline(args: argparse.Namespace) -> tuple[Any, Any] | None:
+    if getattr(args, "no_roofline", False):
+        return None
+    from backfill.bench.roofline import format_machine, load_model_shape, measure_machine
+
+    machine = measure_machine(args.device)
+    print(format_machine(machine))
+    return machine, load_model_shape(args.model)
+
+
+def _cmd_offline(args: argparse.Namespace) -> int:
+    from backfill.bench.compare import CompareConfig, format_compare, run_compare
+
+    policies = ("continuous", "static") if args.policy == "both" else (args.policy,)
+    return _run_comparison(args, CompareConfig(
+        model=args.model, dtype=args.dtype, device=args.device, batch_size=args.max_num_seqs, repeats=args.repeats,
+        systems=policies, max_model_len=args.max_model_len, price_per_hour=args.price_per_hour,
+        show_progress=not args.no_progress), "offline", run_compare, format_compare)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from backfill.bench.compare import CompareConfig, format_compare, run_compare
+
+    return _run_comparison(args, CompareConfig(
+        model=args.model, dtype=args.dtype, device=args.device, batch_size=args.batch_size, repeats=args.repeats,
+        systems=tuple(args.systems), max_model_len=args.max_model_len, price_per_hour=args.price_per_hour,
+        show_progress=not args.no_progress), "compare", run_compare, format_compare)
+
+
+def _run_comparison(args: argparse.Namespace, config: Any, stem: str, run: Any, fmt: Any) -> int:
+    requests = _workload_from_args(args)
+    roofline = _measure_roofline(args)
+    machine, shape = roofline if roofline else (None, None)
+    report, first_runs = run(requests, config, machine, shape)
+    report["argv"] = sys.argv
+    print(fmt(report))
+    for name, summary in report["medians"].items():
+        rows = report["runs"][name][0].get("decode_steps_by_batch")
+        if rows:
+            print(f"{name}: roofline efficiency {summary.get('roofline_efficiency', 0):.2f} "
+                  "(sum of ideal step times / sum of measured)")
+    path = _result_path(args, stem)
+    _write_json(path, report)
+    if args.plot:
+        from backfill.bench.plots import plot_latency_cdf, plot_slot_timeline
+
+        timelines = {n: [s.slot_states for s in first_runs[n].step_stats] for n in ("static", "continuous") if n in first_runs}
+        if timelines:
+            durations = {n: first_runs[n].duration for n in timelines}
+            print(f"wrote {plot_slot_timeline(timelines, path.with_name(path.stem + '_slot_timeline.png'), durations)}")
+        cdf = {n: {"ttft": [r.ttft for r in run_.results if r.success], "e2el": [r.latency for r in run_.results if r.success]}
+               for n, run_ in first_runs.items()}
+        print(f"wrote {plot_latency_cdf(cdf, path.with_name(path.stem + '_latency_cdf.png'))}")
+    return 0
+
+
+def _cmd_roofline(args: argparse.Namespace) -> int:
+    from backfill.bench.roofline import (decode_roofline, format_machine, format_roofline_table, load_model_shape,
+                                         measure_machine, resolve_dtype)
+
+    machine = measure_machine(args.device)
+    shape = load_model_shape(args.model)
+    print(format_machine(machine))
+    print(f"model {shape.name}: {shape.num_params / 1e6:.1f} M parameters, dtype {resolve_dtype(args.dtype)}")
+    measured: dict[int, float] = {}
+    if args.measure_steps > 0:
+        from backfill.bench.offline import make_engine, measure_decode_step, warm_up
+
+        max_len = max(args.max_model_len, args.context_len + args.measure_steps + 8)
+        engine = make_engine(args.model, "continuous", max(args.batch_sizes), args.dtype, args.device, max_len)
+        warm_up(engine)
+        for batch in args.batch_sizes:
+            measured[batch] = measure_decode_step(engine, batch, args.context_len, args.measure_steps)
+            print(f"batch {batch}: measured decode step {1000 * measured[batch]:.1f} ms")
+    rows = decode_roofline(shape, machine, args.dtype, args.batch_sizes, args.context_len, measured)
+    print(format_roofline_table(rows))
+    _write_json(_result_path(args, "roofline"), {
+        "machine": machine.to_json(), "model": shape.__dict__, "dtype": resolve_dtype(args.dtype), "rows": rows,
+    })
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the `bench` sub-command chosen in `args`; returns the process exit code."""
+    handlers = {
+        "workload": _cmd_workload, "serve": _cmd_serve, "offline": _cmd_offline,
+        "compare": _cmd_compare, "roofline": _cmd_roofline,
+    }
+    try:
+        return handlers[args.bench_command](args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"backfill bench {args.bench_command}: {error}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backfill.bench.cli")
+    parser.add_argument("--log-level", default="WARNING")
+    add_bench_subparser(parser.add_subparsers(dest="command", required=True))
+    # `python -m backfill.bench.cli serve ...` and `... bench serve ...` both work
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "bench":
+        argv = ["bench"] + argv
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""`bench compare`: one workload through backfill continuous, backfill static and transformers
+`generate()` on padded static batches, in one process, same model and dtype, same batch size.
+
+Each system is loaded once, warmed up, then runs the workload `repeats` times; the report
+gives each figure's median over the repeats and the ratios between systems.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import statistics
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from backfill.bench.offline import (
+    DEFAULT_MAX_MODEL_LEN,
+    OfflineRun,
+    make_engine,
+    run_offline_workload,
+    summarize_offline,
+    warm_up,
+)
+from backfill.bench.roofline import MachineRoofline, ModelShape, resolve_dtype
+from backfill.bench.workloads import WorkloadRequest, describe_workload
+
+logger = logging.getLogger(__name__)
+
+SYSTEMS: tuple[str, ...] = ("continuous", "static", "hf")
+SYSTEM_LABELS: dict[str, str] = {
+    "continuous": "backfill continuous",
+    "static": "backfill static",
+    "hf": "transformers generate()",
+}
+# Figures reported as medians over repeats (all higher-is-better throughputs or ms latencies).
+HEADLINE_FIELDS: tuple[str, ...] = (
+    "duration", "output_throughput", "request_throughput", "total_output_tokens",
+    "median_e2el_ms", "p50_e2el_ms", "p99_e2el_ms", "median_ttft_ms", "p99_ttft_ms",
+    "median_tpot_ms", "p99_itl_ms", "useful_slot_share", "idle_slot_share", "empty_slot_share",
+    "num_steps", "median_step_ms", "roofline_efficiency",
+)
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    batch_size: int = 16
+    repeats: int = 3
+    systems: tuple[str, ...] = SYSTEMS
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    price_per_hour: float | None = None
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = set(self.systems) - set(SYSTEMS)
+        if unknown or not self.systems:
+            raise ValueError(f"systems: choose from {SYSTEMS}, got {self.systems}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats: must be >= 1, got {self.repeats}")
+
+
+def tokenize_workload(requests: Sequence[WorkloadRequest], encode: Any) -> list[WorkloadRequest]:
+    """Token-id copies of `requests`, so every system sees exactly the same prompt ids."""
+    return [
+        WorkloadRequest(r.max_tokens, None, list(r.prompt_token_ids) if r.prompt is None else list(encode(r.prompt)),
+                        r.arrival_time)
+        for r in requests
+    ]
+
+
+def _strip(summary: dict[str, Any]) -> dict[str, Any]:
+    """Drop the per-token lists (large) from a stored per-repeat summary; keep per-request ones."""
+    return {k: v for k, v in summary.items() if k not in ("itls",)}
+
+
+def median_summary(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in HEADLINE_FIELDS:
+        values = [s[key] for s in summaries if isinstance(s.get(key), (int, float))]
+        if values:
+            out[key] = statistics.median(values)
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def compute_ratios(medians: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Throughput ratios (continuous over the others) and tail-latency ratios (others over continuous)."""
+    c = medians.get("continuous", {})
+    ratios: dict[str, float | None] = {}
+    for other in ("static", "hf"):
+        o = medians.get(other)
+        if not c or not o:
+            continue
+        ratios[f"continuous_vs_{other}_output_throughput"] = _ratio(c.get("output_throughput"), o.get("output_throughput"))
+        ratios[f"{other}_vs_continuous_p50_e2el"] = _ratio(o.get("p50_e2el_ms"), c.get("p50_e2el_ms"))
+        ratios[f"{other}_vs_continuous_p99_e2el"] = _ratio(o.get("p99_e2el_ms"), c.get("p99_e2el_ms"))
+    return ratios
+
+
+def run_compare(
+    requests: Sequence[WorkloadRequest],
+    config: CompareConfig,
+    machine: MachineRoofline | None = None,
+    model_shape: ModelShape | None = None,
+) -> tuple[dict[str, Any], dict[str, OfflineRun]]:
+    """Run every system; returns (report, the first repeat's run of each system, for plots)."""
+    tokenized: list[WorkloadRequest] | None = None
+    per_system: dict[str, list[dict[str, Any]]] = {}
+    first_runs: dict[str, OfflineRun] = {}
+    for policy in ("continuous", "static"):
+        if policy not in config.systems:
+            continue
+        engine = make_engine(config.model, policy, config.batch_size, config.dtype, config.device, config.max_model_len)
+        if tokenized is None:
+            tokenized = tokenize_workload(requests, lambda text: engine.tokenizer.encode(text, add_special_tokens=True))
+        warm_up(engine)
+        roofline = None
+        if machine is not None and model_shape is not None:
+            roofline = (model_shape, machine, config.dtype, engine.config.block_size)
+        summaries = []
+        for repeat in range(config.repeats):
+            run = run_offline_workload(engine, tokenized, f"{policy} #{repeat + 1}", config.show_progress)
+            first_runs.setdefault(policy, run)
+            summaries.append(summarize_offline(run, roofline=roofline, price_per_hour=config.price_per_hour))
+            logger.info("%s repeat %d: %.1f output tok/s", policy, repeat + 1, summaries[-1]["output_throughput"])
+        per_system[policy] = summaries
+        del engine
+        gc.collect()
+    if "hf" in config.systems:
+        from backfill.bench.hf_baseline import load_hf_model, pad_token_id, run_hf_static
+
+        hf_model, tokenizer = load_hf_model(config.model, config.dtype, config.device)
+        if tokenized is None:
+            tokenized = tokenize_workload(requests, lambda text: tokenizer.encode(text))
+        pad_id = pad_token_id(tokenizer)
+        run_hf_static(hf_model, [tokenized[0].prompt_token_ids or [1]] * 2, [4, 4], 2, pad_id)  # warm-up
+        prompts = [list(r.prompt_token_ids or []) for r in tokenized]
+        max_tokens = [r.max_tokens for r in tokenized]
+        arrivals = [r.arrival_s for r in tokenized]
+        summaries = []
+        for repeat in range(config.repeats):
+            run = run_hf_static(hf_model, prompts, max_tokens, config.batch_size, pad_id, arrivals,
+                                f"hf #{repeat + 1}", config.show_progress)
+            first_runs.setdefault("hf", run)
+            summaries.append(summarize_offline(run, price_per_hour=config.price_per_hour))
+        per_system["hf"] = summaries
+        del hf_model
+        gc.collect()
+    medians = {name: median_summary(summaries) for name, summaries in per_system.items()}
+    report: dict[str, Any] = {
+        "config": {
+            "model": config.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
+            "dtype": resolve_dtype(config.dtype),
+            "device": config.device,
+            "batch_size": config.batch_size,
+            "repeats": config.repeats,
+            "systems": list(config.systems),
+            "max_model_len": config.max_model_len,
+            "price_per_hour": config.price_per_hour,
+        },
+        "workload": describe_workload(list(requests)),
+        "machine": machine.to_json() if machine is not None else None,
+        "medians": medians,
+        "ratios": compute_ratios(medians),
+        "runs": {name: [_strip(s) for s in summaries] for name, summaries in per_system.items()},
+    }
+    if config.price_per_hour is not None:
+        for name, summaries in per_system.items():
+            medians[name]["cost_per_million_output_tokens"] = statistics.median(
+                s["economics"]["cost_per_million_output_tokens"] for s in summaries)
+            medians[name]["idle_slot_cost_per_million_output_tokens"] = statistics.median(
+                s["economics"]["idle_slot_cost_per_million_output_tokens"] for s in summaries)
+    return report, first_runs
+
+
+def format_compare(report: dict[str, Any]) -> str:
+    """The comparison table and ratio lines, as printed by the CLI (Markdown)."""
+    medians: dict[str, dict[str, Any]] = report["medians"]
+    with_cost = report["config"].get("price_per_hour") is not None
+    header = "| system | output tok/s | req/s | p50 e2el (ms) | p99 e2el (ms) | p50 TTFT (ms) | p99 TTFT (ms) | useful slot-steps |"
+    rule = "|:---|---:|---:|---:|---:|---:|---:|---:|"
+    if with_cost:
+        header += " USD / M tokens | of which idle |"
+        rule += "---:|---:|"
+    lines = [header, rule]
+    for name, m in medians.items():
+        line = (
+            f"| {SYSTEM_LABELS[name]} | {m['output_throughput']:.1f} | {m['request_throughput']:.2f} | "
+            f"{m['p50_e2el_ms']:.0f} | {m['p99_e2el_ms']:.0f} | {m['median_ttft_ms']:.0f} | {m['p99_ttft_ms']:.0f} | "
+            f"{100 * m.get('useful_slot_share', 0.0):.0f}% |"
+        )
+        if with_cost:
+            line += f" {m['cost_per_million_output_tokens']:.3f} | {m['idle_slot_cost_per_million_output_tokens']:.3f} |"
+        lines.append(line)
+    ratios = report["ratios"]
+    lines.append("")
+    for other in ("static", "hf"):
+        key = f"continuous_vs_{other}_output_throughput"
+        if ratios.get(key) is not None:
+            lines.append(
+                f"continuous vs {SYSTEM_LABELS[other]}: {ratios[key]:.2f}x output throughput; "
+                f"{SYSTEM_LABELS[other]} p50 / p99 end-to-end latency is "
+                f"{ratios[f'{other}_vs_continuous_p50_e2el']:.2f}x / {ratios[f'{other}_vs_continuous_p99_e2el']:.2f}x continuous's"
+            )
+    lines.append(f"(medians over {report['config']['repeats']} repeat(s), dtype {report['config']['dtype']}, "
+                 f"batch size {report['config']['batch_size']})")
+    return "\n".join(lines)

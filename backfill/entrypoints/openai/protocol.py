@@ -1,0 +1,364 @@
+"""The OpenAI wire format: pydantic request/response models and the error object.
+
+Requests are parsed strictly from JSON (`"max_tokens": "10"` or `true` is a 400, as at OpenAI).
+Unknown fields are ignored, as OpenAI ignores fields it does not know, except fields that would
+change the result and that we do not support: those are declared here and rejected with a 400
+naming them (`tools`, `functions`, `response_format` other than text, `suffix`, `best_of` other
+than `n`, `echo` together with `logprobs`, non-text message parts, `tool`/`function` messages,
+`audio` output). A client that relies on them learns it at once instead of getting a silently
+different answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_BODY_BYTES = 32 * 1024 * 1024  # a larger body is a 413 before it is parsed
+
+
+class APIError(Exception):
+    """An error the server answers with the OpenAI error object."""
+
+    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ---- requests ------------------------------------------------------------------------------
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool | None = None
+
+
+class SamplingFields(StrictModel):
+    """Fields shared by both endpoints. `None` means "the default", as OpenAI treats null."""
+
+    model: str | None = None  # None: the served model
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=128)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: Any = None  # str | list[str] | None, checked by _check_stop
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    # Declared only to be rejected when used (see the module docstring).
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: Any) -> str | list[str] | None:
+        if value is None or isinstance(value, str):
+            strings = [] if value is None else [value]
+        elif isinstance(value, list) and all(isinstance(item, str) for item in value):
+            strings = value
+        else:
+            raise ValueError("must be a string or a list of strings")
+        if len(strings) > 16:
+            raise ValueError("at most 16 stop sequences are supported")
+        if "" in strings:
+            raise ValueError("stop sequences must not be empty")
+        return value
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("tool and function calling are not supported by this server")
+        return value
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. `prompt`: a string, strings, token ids, or lists of token ids."""
+
+    prompt: Any  # checked by _check_prompt; Any keeps union tags out of the error `param`
+    max_tokens: int | None = Field(16, ge=1)  # null: up to the context length
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = None
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> str | list[str] | list[int] | list[list[int]]:
+        def is_token(item: Any) -> bool:
+            return isinstance(item, int) and not isinstance(item, bool)
+
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("must not be empty")
+            return value
+        if not isinstance(value, list) or not value:
+            raise ValueError("must be a non-empty string, list of strings, or list of token ids")
+        if all(isinstance(item, str) for item in value):
+            if any(not item for item in value):
+                raise ValueError("must not contain empty strings")
+            return value
+        if all(is_token(item) for item in value):
+            return value
+        if all(isinstance(item, list) and item and all(is_token(t) for t in item) for item in value):
+            return value
+        raise ValueError("must be a non-empty string, list of strings, or list of token ids")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix (insertion) is not supported by this server")
+        return value
+
+    def check(self) -> None:
+        self.check_stream_options()
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise bad_request("best_of must equal n: this server does not rank completions", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("tool calls are not supported by this server")
+        return value
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text"]  # json_object / json_schema need constrained decoding: not supported
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tool_choice: Literal["none"] | None = None
+    modalities: list[Literal["text"]] | None = None
+
+    def check(self) -> None:
+        self.check_stream_options()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        for index, message in enumerate(self.messages):
+            if message.content is None and message.role != "assistant":
+                raise bad_request(f"messages[{index}].content is required for role {message.role!r}",
+                                  f"messages[{index}].content")
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+def parse_request(model: type[StrictModel], body: bytes) -> Any:
+    """Validate a JSON body into `model`; any problem is a 400 naming the offending `param`."""
+    if len(body) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes", param=None)
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        raise validation_error_to_api_error(error.errors()) from None
+
+
+def validation_error_to_api_error(errors: Any) -> APIError:
+    """Turn pydantic/FastAPI validation errors into one 400; the deepest error is reported."""
+    errors = list(errors)
+    if not errors:
+        return bad_request("invalid request")
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid")
+        return bad_request(f"We could not parse the JSON body of your request ({detail.get('msg')}).")
+    error = max(errors, key=lambda e: len(loc_to_param(e.get("loc", ())) or ""))
+    param = loc_to_param(error.get("loc", ()))
+    if error.get("type") == "model_type" and not param:
+        return bad_request("the request body must be a JSON object")
+    message = str(error.get("msg", "invalid value"))
+    message = message.removeprefix("Value error, ")
+    return bad_request(f"{param}: {message}" if param else message, param)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def loc_to_param(loc: Any) -> str | None:
+    """('messages', 0, 'content', 'list[TextPart]', 1, 'type') -> 'messages[0].content[1].type'.
+
+    Pydantic puts union-member tags (`str`, `list[str]`, `function-after[...]`) into error
+    locations; they are not fields, so they are dropped. FastAPI's leading 'body' is dropped too.
+    """
+    parts: list[str] = []
+    items = list(loc)
+    if items and items[0] == "body":
+        items = items[1:]
+    for item in items:
+        if isinstance(item, int):
+            if parts:
+                parts[-1] += f"[{item}]"
+        elif isinstance(item, str) and ("[" not in item and item not in _TYPE_TAGS):
+            parts.append(item)
+    return ".".join(parts) or None
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+
+class UsageInfo(ResponseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(ResponseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo
+
+
+class DeltaMessage(ResponseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "backfill"
+    max_model_len: int | None = None
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,464 @@
+"""OpenAIServing: translates OpenAI requests into engine requests and engine outputs into
+OpenAI responses (whole, or as SSE chunks), with `usage` and `finish_reason` as OpenAI has them.
+
+A batch of completion prompts becomes one engine request per prompt (`<id>-<i>`); choice `k` of
+prompt `i` gets index `i * n + k`. Every exit path closes the engine streams, so a request
+whose client is gone, or that failed half-way, is aborted and its KV blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+from backfill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineStoppedError,
+                                          QueueFullError, RequestStream)
+from backfill.entrypoints.openai.protocol import (
+    APIError, AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
+    CompletionRequest, CompletionResponse, SamplingFields, TokenLogprob, TopLogprob, UsageInfo,
+    bad_request)
+from backfill.outputs import CompletionOutput, RequestOutput
+from backfill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from backfill.model.tokenizer import Tokenizer
+
+RETRY_AFTER_S = 1
+LONG_TEXT_CHARS = 20_000  # longer texts are tokenized in a worker thread, off the event loop
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, reversed: the character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_DECODER = _byte_decoder()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback pieces
+
+
+class TokenText:
+    """How logprobs show a token: its text, and its raw bytes (cached by token id).
+
+    A token holding part of a UTF-8 character has no text of its own; like OpenAI, it is shown
+    as `bytes:\\xNN...`, and `bytes` carries the exact bytes so clients can join them.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        entry = self._cache.get(token_id)
+        if entry is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            piece = self._tokenizer.convert_ids_to_tokens([token_id])[0] or ""
+            match = _BYTE_TOKEN.fullmatch(piece)
+            if match:
+                raw = bytes([int(match.group(1), 16)])
+            elif piece and all(ch in _BYTE_DECODER for ch in piece):
+                raw = bytes(_BYTE_DECODER[ch] for ch in piece)
+            else:
+                raw = text.encode("utf-8")
+            if "\ufffd" in text and "\ufffd".encode() not in raw:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            entry = self._cache[token_id] = (text, list(raw))
+        return entry
+
+    def text(self, token_id: int) -> str:
+        return self._lookup(token_id)[0]
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        return self._lookup(token_id)[1]
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+def engine_error(error: BaseException, renames: dict[str, str] | None = None) -> APIError:
+    """The HTTP error for an exception raised by `AsyncEngine.add_request` or a stream."""
+    if isinstance(error, QueueFullError):
+        return APIError(429, f"{error}; retry later", "rate_limit_exceeded", code="queue_full",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(error, EngineStoppedError):
+        return APIError(503, str(error), "server_error", code="shutting_down",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(error, EngineDeadError):
+        return APIError(500, str(error), "server_error", code="engine_dead")
+    if isinstance(error, ValueError):
+        return value_error(error, renames)
+    return APIError(500, f"internal error: {error!r}", "server_error")
+
+
+def value_error(error: ValueError, renames: dict[str, str] | None = None) -> APIError:
+    """A `ValueError("<field>: message")` from SamplingParams or the engine as a 400."""
+    message = str(error)
+    field, sep, rest = message.partition(": ")
+    param = (renames or {}).get(field, field) if sep and " " not in field else None
+    code = "context_length_exceeded" if "context length" in message else None
+    return bad_request(f"{param}: {rest}" if param else message, param, code)
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    # NOTE: pydantic writes a -inf logprob as null; json.dumps would write invalid JSON.
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class SSEStream:
+    """The SSE lines of one streaming response, and the engine requests behind them.
+
+    `aclose()` aborts the requests even if iteration never began (a client gone before the
+    first byte), which closing the generator alone would not do.
+    """
+
+    def __init__(self, lines: AsyncGenerator[str, None], streams: list[RequestStream]) -> None:
+        self._lines = lines
+        self._streams = streams
+
+    def __aiter__(self) -> AsyncGenerator[str, None]:
+        return self._lines
+
+    async def aclose(self) -> None:
+        for stream in self._streams:
+            stream.close()
+        with contextlib.suppress(RuntimeError):  # still running in a task being cancelled
+            await self._lines.aclose()
+
+
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's position."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+
+    async def pump(position: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((position, output))
+            queue.put_nowait((position, None))
+        except Exception as error:  # handed to the consumer, which raises it
+            queue.put_nowait((position, error))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            position, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield position, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class OpenAIServing:
+    """The two generation endpoints over one AsyncEngine. Runs on the event loop only."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, served_model_name: str,
+                 max_model_len: int, vocab_size: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.token_text = TokenText(tokenizer)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error",
+                           "model", "model_not_found")
+
+    # ---- shared steps ------------------------------------------------------------------
+
+    def _sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                         renames: dict[str, str]) -> SamplingParams:
+        bias = None
+        if request.logit_bias:
+            bias = {}
+            for key, value in request.logit_bias.items():
+                if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
+                    raise bad_request(f"logit_bias: {key!r} is not a token id in [0, {self.vocab_size})",
+                                      "logit_bias")
+                bias[int(key)] = value
+        fields: dict[str, Any] = {
+            "n": request.n, "temperature": request.temperature, "top_p": request.top_p,
+            "top_k": request.top_k, "min_p": request.min_p, "presence_penalty": request.presence_penalty,
+            "frequency_penalty": request.frequency_penalty, "repetition_penalty": request.repetition_penalty,
+            "logit_bias": bias, "seed": request.seed, "min_tokens": request.min_tokens, "stop": request.stop,
+            "stop_token_ids": request.stop_token_ids, "ignore_eos": request.ignore_eos, "logprobs": logprobs,
+        }
+        try:
+            return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
+        except ValueError as error:
+            raise value_error(error, renames) from None
+
+    async def _encode(self, text: str) -> list[int]:
+        if len(text) > LONG_TEXT_CHARS:
+            return await asyncio.to_thread(self.tokenizer.encode, text, True)
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def _check_prompt(self, token_ids: list[int], param: str) -> None:
+        if not token_ids:
+            raise bad_request(f"{param}: the prompt encodes to no tokens", param)
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise bad_request(f"{param}: token ids must be in [0, {self.vocab_size})", param)
+        if len(token_ids) >= self.max_model_len:
+            raise bad_request(
+                f"{param}: this model's maximum context length is {self.max_model_len} tokens, "
+                f"and the prompt has {len(token_ids)} tokens", param, "context_length_exceeded")
+
+    async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
+                      renames: dict[str, str]) -> list[RequestStream]:
+        """Queue every prompt; on any failure, abort the ones already queued and raise."""
+        streams: list[RequestStream] = []
+        arrival = time.monotonic()
+        try:
+            for i, prompt in enumerate(prompts):
+                sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(sub_id, prompt.token_ids, params, arrival))
+        except BaseException as error:
+            for stream in streams:
+                stream.close()
+            if isinstance(error, Exception):
+                raise engine_error(error, renames) from None
+            raise
+        return streams
+
+    # ---- /v1/completions ---------------------------------------------------------------
+
+    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | SSEStream:
+        """Queue the request; return the response, or (stream) an iterator of SSE lines.
+
+        Raises APIError before anything is sent when the request cannot be served.
+        """
+        self.check_model(request.model)
+        request.check()
+        raw = request.prompt
+        items: list[str | list[int]] = [raw] if isinstance(raw, str) or isinstance(raw[0], int) else raw
+        prompts = []
+        for item in items:
+            ids = await self._encode(item) if isinstance(item, str) else list(item)
+            self._check_prompt(ids, "prompt")
+            prompts.append(_Prompt(item if isinstance(item, str) else None, ids))
+        params = self._sampling_params(request, request.max_tokens, request.logprobs, {})
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._submit(request_id, prompts, params, {})
+        if request.echo:
+            for prompt in prompts:
+                if prompt.text is None:
+                    prompt.text = self.tokenizer.decode(prompt.token_ids)
+        created = int(time.time())
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            lines = self._completion_stream(request_id, created, streams, prompts, params,
+                                            bool(request.echo), include_usage)
+            return SSEStream(lines, streams)
+        return await self._completion_full(request_id, created, streams, prompts, params, bool(request.echo))
+
+    def _completion_logprobs(self, completion: CompletionOutput | None, deltas: Sequence[Any],
+                             num_top: int, offset: int) -> tuple[CompletionLogprobs, int]:
+        result = CompletionLogprobs()
+        for entry in deltas:
+            text = self.token_text.text(entry.token_id)
+            result.tokens.append(text)
+            result.token_logprobs.append(entry.logprob)
+            top = {self.token_text.text(t): lp for t, lp in entry.top[:num_top]}
+            top.setdefault(text, entry.logprob)
+            result.top_logprobs.append(top)
+            result.text_offset.append(offset)
+            offset += len(text)
+        return result, offset
+
+    async def _completion_full(self, request_id: str, created: int, streams: list[RequestStream],
+                               prompts: list[_Prompt], params: SamplingParams, echo: bool) -> CompletionResponse:
+        finals, logprobs = await self._collect(streams)
+        choices = []
+        num_completion = 0
+        for (i, k), completion in sorted(finals.items()):
+            prefix = (prompts[i].text or "") if echo else ""
+            lp = None
+            if params.logprobs is not None:
+                lp, _ = self._completion_logprobs(completion, logprobs[(i, k)], params.logprobs, len(prefix))
+            choices.append(CompletionChoice(index=i * params.n + k, text=prefix + completion.text, logprobs=lp,
+                                            finish_reason=completion.finish_reason))
+            num_completion += len(completion.token_ids)
+        usage = self._usage(prompts, num_completion)
+        return CompletionResponse(id=request_id, created=created, model=self.served_model_name,
+                                  choices=choices, usage=usage)
+
+    async def _completion_stream(self, request_id: str, created: int, streams: list[RequestStream],
+                                 prompts: list[_Prompt], params: SamplingParams, echo: bool,
+                                 include_usage: bool) -> AsyncGenerator[str, None]:
+        def chunk(index: int, text: str, lp: CompletionLogprobs | None = None,
+                  finish: str | None = None) -> str:
+            choice = CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish)
+            return sse(CompletionResponse(id=request_id, created=created, model=self.served_model_name,
+                                          choices=[choice]))
+
+        offsets: dict[int, int] = {}
+        num_tokens: dict[int, int] = {}
+        try:
+            if echo:
+                for i, prompt in enumerate(prompts):
+                    for k in range(params.n):
+                        offsets[i * params.n + k] = len(prompt.text or "")
+                        yield chunk(i * params.n + k, prompt.text or "")
+            async for i, output in merge_streams(streams):
+                for completion in output.outputs:
+                    index = i * params.n + completion.index
+                    num_tokens[index] = len(completion.token_ids)
+                    lp = None
+                    if params.logprobs is not None:
+                        lp, offsets[index] = self._completion_logprobs(
+                            completion, completion.delta_logprobs or [], params.logprobs, offsets.get(index, 0))
+                    if completion.delta_text or completion.finish_reason or (lp and lp.tokens):
+                        yield chunk(index, completion.delta_text, lp, completion.finish_reason)
+            if include_usage:
+                usage = self._usage(prompts, sum(num_tokens.values()))
+                yield sse(CompletionResponse(id=request_id, created=created, model=self.served_model_name,
+                                             choices=[], usage=usage))
+            yield SSE_DONE
+        except (EngineStoppedError, EngineDeadError) as error:
+            yield sse(engine_error(error).to_dict())
+            yield SSE_DONE
+        finally:
+            for stream in streams:
+                stream.close()
+
+    # ---- /v1/chat/completions ----------------------------------------------------------
+
+    async def create_chat_completion(self, request: ChatCompletionRequest) -> ChatCompletionResponse | SSEStream:
+        """As `create_completion`, for a conversation rendered with the model's chat template."""
+        self.check_model(request.model)
+        request.check()
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in request.messages]
+        try:
+            if sum(len(m["content"]) for m in messages) > LONG_TEXT_CHARS:
+                text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, True)
+                ids = await asyncio.to_thread(self.tokenizer.encode, text, False)
+            else:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+        except ValueError as error:
+            raise value_error(error) from None
+        self._check_prompt(ids, "messages")
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        num_top = (request.top_logprobs or 0) if request.logprobs else None
+        renames = {"max_tokens": request.max_tokens_param, "logprobs": "top_logprobs", "prompt": "messages"}
+        params = self._sampling_params(request, max_tokens, num_top, renames)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        prompts = [_Prompt(text, ids)]
+        streams = await self._submit(request_id, prompts, params, renames)
+        created = int(time.time())
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return SSEStream(self._chat_stream(request_id, created, streams[0], prompts, params, include_usage),
+                             streams)
+        finals, logprobs = await self._collect(streams)
+        choices = []
+        for (_, k), completion in sorted(finals.items()):
+            lp = self._chat_logprobs(logprobs[(0, k)], params.logprobs) if params.logprobs is not None else None
+            choices.append(ChatChoice(index=k, message=AssistantMessage(content=completion.text), logprobs=lp,
+                                      finish_reason=completion.finish_reason))
+        usage = self._usage(prompts, sum(len(c.token_ids) for c in finals.values()))
+        return ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name,
+                                      choices=choices, usage=usage)
+
+    def _chat_logprobs(self, deltas: Sequence[Any], num_top: int) -> ChatLogprobs:
+        content = []
+        for entry in deltas:
+            top = [TopLogprob(token=self.token_text.text(t), logprob=lp, bytes=self.token_text.token_bytes(t))
+                   for t, lp in entry.top[:num_top]]
+            content.append(TokenLogprob(token=self.token_text.text(entry.token_id), logprob=entry.logprob,
+                                        bytes=self.token_text.token_bytes(entry.token_id), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    async def _chat_stream(self, request_id: str, created: int, stream: RequestStream, prompts: list[_Prompt],
+                           params: SamplingParams, include_usage: bool) -> AsyncGenerator[str, None]:
+        def chunk(index: int, delta: dict[str, Any], lp: ChatLogprobs | None = None,
+                  finish: str | None = None) -> str:
+            choice = ChatStreamChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish)
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name,
+                                           choices=[choice]))
+
+        num_tokens: dict[int, int] = {}
+        try:
+            for k in range(params.n):
+                yield chunk(k, {"role": "assistant", "content": ""})
+            async for output in stream:
+                for completion in output.outputs:
+                    num_tokens[completion.index] = len(completion.token_ids)
+                    lp = None
+                    if params.logprobs is not None and completion.delta_logprobs:
+                        lp = self._chat_logprobs(completion.delta_logprobs, params.logprobs)
+                    if completion.delta_text or lp is not None:
+                        yield chunk(completion.index, {"content": completion.delta_text}, lp)
+                    if completion.finish_reason is not None:
+                        yield chunk(completion.index, {}, None, completion.finish_reason)
+            if include_usage:
+                usage = self._usage(prompts, sum(num_tokens.values()))
+                yield sse(ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name,
+                                              choices=[], usage=usage))
+            yield SSE_DONE
+        except (EngineStoppedError, EngineDeadError) as error:
+            yield sse(engine_error(error).to_dict())
+            yield SSE_DONE
+        finally:
+            stream.close()
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    async def _collect(self, streams: list[RequestStream]) -> tuple[
+            dict[tuple[int, int], CompletionOutput], dict[tuple[int, int], list[Any]]]:
+        """Run streams to the end: the last output of every completion and all its logprobs."""
+        finals: dict[tuple[int, int], CompletionOutput] = {}
+        logprobs: dict[tuple[int, int], list[Any]] = {}
+        try:
+            async for i, output in merge_streams(streams):
+                for completion in output.outputs:
+                    finals[(i, completion.index)] = completion
+                    logprobs.setdefault((i, completion.index), []).extend(completion.delta_logprobs or [])
+        except (EngineStoppedError, EngineDeadError) as error:
+            raise engine_error(error) from None
+        finally:
+            for stream in streams:
+                stream.close()
+        return finals, logprobs
+
+    @staticmethod
+    def _usage(prompts: list[_Prompt], num_completion_tokens: int) -> UsageInfo:
+        num_prompt = sum(len(p.token_ids) for p in prompts)
+        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion_tokens,
+                         total_tokens=num_prompt + num_completion_tokens)

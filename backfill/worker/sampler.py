@@ -1,0 +1,395 @@
+"""Sampler: one row of logits per request -> one token id per request (+ logprobs).
+
+Per call, in order (vLLM semantics, batched over rows):
+  raw logprobs  log_softmax of the model's logits, for rows that asked (vLLM's "raw" mode)
+  penalties     repetition (prompt or output tokens), frequency (x output count), presence
+  logit_bias    added to the listed token ids
+  min_tokens    stop_token_ids (and EOS unless ignore_eos) masked while outputs < min_tokens
+  greedy        temperature 0: argmax of the processed logits
+  random        / temperature, top_k, top_p, min_p, then the exponential race
+                argmax(probs / q), q ~ Exp(1): one batched op instead of a multinomial per row.
+
+Everything that depends only on which requests share the batch (parameter tensors, index
+tensors) is built once per batch composition and reused while the composition is unchanged, so
+a steady decode batch does no per-row Python work besides the rows that need it (seeded rows
+draw from their own generator; min_tokens rows check their count).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from backfill.core.outputs import TokenLogprobs
+from backfill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Temperatures below this sample greedily (as in vLLM): dividing by them overflows float32.
+GREEDY_TEMPERATURE_EPS = 1e-5
+_INITIAL_PENALTY_SLOTS = 8
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row, in row order
+    logprobs: list[TokenLogprobs | None] | None  # None if no row asked for logprobs
+
+
+@dataclass
+class _RequestState:
+    params: SamplingParams
+    greedy: bool
+    generator: torch.Generator | None  # the request's own stream when it is seeded and random
+    penalty_slot: int  # its row in the sampler's count tables; -1 when it uses no penalty
+    min_tokens_ids: list[int]  # masked while num_output_tokens < params.min_tokens
+    num_output_tokens: int = 0  # counted only for requests with min_tokens_ids
+
+
+@dataclass
+class _BatchPlan:
+    """What a batch needs that depends only on which requests are in it (built once per composition)."""
+
+    request_ids: tuple[str, ...]
+    states: list[_RequestState]
+    all_greedy: bool
+    greedy_mask: torch.Tensor | None  # [S] bool; None unless the batch mixes greedy and random rows
+    temperature: torch.Tensor | None  # [S, 1] (1.0 on greedy rows); None when all greedy
+    top_k: torch.Tensor | None  # [S] int64 in [1, V], V where disabled; None when no row uses it
+    max_top_k: int  # the largest enabled k (0 when top_k is None)
+    top_p: torch.Tensor | None  # [S, 1], 1.0 where disabled; None when no row uses it
+    min_p: torch.Tensor | None  # [S, 1], 0.0 where disabled; None when no row uses it
+    penalty_rows: torch.Tensor | None  # [P] int64 rows with penalties; None when none
+    penalty_slots: torch.Tensor | None  # [P] int64 their rows in the count tables
+    repetition: torch.Tensor | None  # [P, 1]; None when every row's is 1
+    frequency: torch.Tensor | None  # [P, 1]; None when every row's is 0
+    presence: torch.Tensor | None  # [P, 1]; None when every row's is 0
+    bias_index: tuple[torch.Tensor, torch.Tensor] | None  # ([B] rows, [B] token ids)
+    bias_values: torch.Tensor | None  # [B]
+    min_tokens_rows: list[int]  # rows whose request has a min_tokens to enforce
+    seeded_rows: list[int]  # random rows that draw from their own generator
+    logprobs_rows: list[int]  # rows that asked for logprobs
+    logprobs_index: torch.Tensor | None  # [L] int64, the same rows as a tensor
+    max_num_logprobs: int
+
+
+class Sampler:
+    """Owns each running request's sampling state: parameters, generator, token history.
+
+    `add_request` before a request's first `sample`; `remove_request` when it leaves the engine
+    (not on preemption: its history and generator must survive a recompute). Adding an id that is
+    already present keeps its state, so re-sending a preempted request is harmless.
+    """
+
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed)
+        self._requests: dict[str, _RequestState] = {}
+        self._plan: _BatchPlan | None = None
+        # Count tables for requests with penalties, one row ("slot") each, grown by doubling.
+        self._output_counts = torch.zeros((0, vocab_size), dtype=torch.int32, device=self.device)  # [slots, V]
+        self._prompt_mask = torch.zeros((0, vocab_size), dtype=torch.bool, device=self.device)  # [slots, V]
+        self._free_slots: list[int] = []
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    @torch.inference_mode()
+    def add_request(self, request_id: str, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+        """Register a request. Raises ValueError if its logit_bias names a token outside the vocabulary."""
+        if request_id in self._requests:
+            return
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        greedy = params.temperature < GREEDY_TEMPERATURE_EPS
+        generator = None
+        if params.seed is not None and not greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        slot = -1
+        if params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+            slot = self._allocate_slot()
+            self._output_counts[slot].zero_()
+            self._prompt_mask[slot].zero_()
+            prompt = [t for t in prompt_token_ids if 0 <= t < self.vocab_size]
+            if prompt:
+                self._prompt_mask[slot, torch.tensor(prompt, dtype=torch.long, device=self.device)] = True
+        min_tokens_ids: list[int] = []
+        if params.min_tokens > 0:
+            stop_ids = list(params.stop_token_ids or [])
+            if not params.ignore_eos:
+                stop_ids += self.eos_token_ids
+            min_tokens_ids = [t for t in dict.fromkeys(stop_ids) if t < self.vocab_size]
+        self._requests[request_id] = _RequestState(params, greedy, generator, slot, min_tokens_ids)
+        self._plan = None
+
+    def remove_request(self, request_id: str) -> None:
+        """Forget a request (unknown ids are ignored); its count-table slot is reused."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        if state.penalty_slot >= 0:
+            self._free_slots.append(state.penalty_slot)
+        self._plan = None
+
+    @torch.inference_mode()
+    def sample(self, request_ids: list[str], logits: torch.Tensor) -> SamplerOutput:
+        """Pick one token per row and append it to that request's history.
+
+        `logits` [S, V] holds one row per id in `request_ids` (all added before); it is not
+        modified. Results are in row order.
+        """
+        assert logits.dim() == 2 and logits.shape == (len(request_ids), self.vocab_size), (
+            f"logits {tuple(logits.shape)} for {len(request_ids)} requests, vocab {self.vocab_size}"
+        )
+        if not request_ids:
+            return SamplerOutput(token_ids=[], logprobs=None)
+        logits = logits.float()  # [S, V]
+        plan = self._plan_for(request_ids)
+        processed = self._process(plan, logits)  # [S, V]
+        if plan.all_greedy:
+            tokens = processed.argmax(dim=-1)  # [S]
+        else:
+            tokens = self._sample_random(plan, processed)  # [S]
+        self._record(plan, tokens)
+        logprobs = self._logprobs(plan, logits, tokens) if plan.logprobs_rows else None
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+    # -- per composition ------------------------------------------------------------------------
+
+    def _plan_for(self, request_ids: list[str]) -> _BatchPlan:
+        key = tuple(request_ids)
+        if self._plan is not None and self._plan.request_ids == key:
+            return self._plan
+        try:
+            states = [self._requests[request_id] for request_id in request_ids]
+        except KeyError as error:
+            raise KeyError(f"sample: request {error.args[0]!r} was never added to the sampler") from None
+        self._plan = self._build_plan(key, states)
+        return self._plan
+
+    def _build_plan(self, key: tuple[str, ...], states: list[_RequestState]) -> _BatchPlan:
+        device, vocab = self.device, self.vocab_size
+        greedy = [s.greedy for s in states]
+        all_greedy = all(greedy)
+        random_params = [None if s.greedy else s.params for s in states]
+
+        def column(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # [n, 1]
+
+        temperature = top_k = top_p = min_p = greedy_mask = None
+        max_top_k = 0
+        if not all_greedy:
+            temperature = column([p.temperature if p else 1.0 for p in random_params])
+            if any(greedy):
+                greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)  # [S]
+            ks = [p.top_k if p and 0 < p.top_k < vocab else vocab for p in random_params]
+            max_top_k = max((k for k in ks if k < vocab), default=0)
+            if max_top_k:
+                top_k = torch.tensor(ks, dtype=torch.long, device=device)  # [S]
+            ps = [p.top_p if p else 1.0 for p in random_params]
+            if any(p < 1.0 for p in ps):
+                top_p = column(ps)
+            min_ps = [p.min_p if p else 0.0 for p in random_params]
+            if any(m > 0.0 for m in min_ps):
+                min_p = column(min_ps)
+
+        rows = [i for i, s in enumerate(states) if s.penalty_slot >= 0]
+        penalty_rows = penalty_slots = repetition = frequency = presence = None
+        if rows:
+            penalty_rows = torch.tensor(rows, dtype=torch.long, device=device)  # [P]
+            penalty_slots = torch.tensor([states[i].penalty_slot for i in rows], dtype=torch.long, device=device)
+            reps = [states[i].params.repetition_penalty for i in rows]
+            freqs = [states[i].params.frequency_penalty for i in rows]
+            pres = [states[i].params.presence_penalty for i in rows]
+            repetition = column(reps) if any(r != 1.0 for r in reps) else None
+            frequency = column(freqs) if any(f != 0.0 for f in freqs) else None
+            presence = column(pres) if any(p != 0.0 for p in pres) else None
+
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_vals: list[float] = []
+        for i, s in enumerate(states):
+            if s.params.logit_bias:
+                bias_rows += [i] * len(s.params.logit_bias)
+                bias_ids += s.params.logit_bias.keys()
+                bias_vals += s.params.logit_bias.values()
+        bias_index = bias_values = None
+        if bias_rows:
+            bias_index = (
+                torch.tensor(bias_rows, dtype=torch.long, device=device),  # [B]
+                torch.tensor(bias_ids, dtype=torch.long, device=device),  # [B]
+            )
+            bias_values = torch.tensor(bias_vals, dtype=torch.float32, device=device)  # [B]
+
+        logprobs_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        return _BatchPlan(
+            request_ids=key,
+            states=states,
+            all_greedy=all_greedy,
+            greedy_mask=greedy_mask,
+            temperature=temperature,
+            top_k=top_k,
+            max_top_k=max_top_k,
+            top_p=top_p,
+            min_p=min_p,
+            penalty_rows=penalty_rows,
+            penalty_slots=penalty_slots,
+            repetition=repetition,
+            frequency=frequency,
+            presence=presence,
+            bias_index=bias_index,
+            bias_values=bias_values,
+            min_tokens_rows=[i for i, s in enumerate(states) if s.min_tokens_ids],
+            seeded_rows=[i for i, s in enumerate(states) if s.generator is not None],
+            logprobs_rows=logprobs_rows,
+            logprobs_index=torch.tensor(logprobs_rows, dtype=torch.long, device=device) if logprobs_rows else None,
+            max_num_logprobs=max((states[i].params.logprobs or 0 for i in logprobs_rows), default=0),
+        )
+
+    # -- per call -------------------------------------------------------------------------------
+
+    def _process(self, plan: _BatchPlan, logits: torch.Tensor) -> torch.Tensor:
+        """Penalties, then logit_bias, then min_tokens; returns `logits` itself when none apply."""
+        mask_rows: list[int] = []
+        mask_ids: list[int] = []
+        for row in plan.min_tokens_rows:
+            state = plan.states[row]
+            if state.num_output_tokens < state.params.min_tokens:
+                mask_rows += [row] * len(state.min_tokens_ids)
+                mask_ids += state.min_tokens_ids
+        if plan.penalty_rows is None and plan.bias_index is None and not mask_rows:
+            return logits
+        logits = logits.clone()  # [S, V]
+        if plan.penalty_rows is not None:
+            assert plan.penalty_slots is not None
+            rows = logits[plan.penalty_rows]  # [P, V]
+            counts = self._output_counts[plan.penalty_slots]  # [P, V] int32
+            in_output = counts > 0  # [P, V]
+            if plan.repetition is not None:
+                seen = in_output | self._prompt_mask[plan.penalty_slots]  # [P, V]
+                scale = torch.where(seen, plan.repetition, 1.0)  # [P, V]
+                rows = torch.where(rows > 0, rows / scale, rows * scale)  # [P, V]
+            if plan.frequency is not None:
+                rows = rows - plan.frequency * counts  # [P, V]
+            if plan.presence is not None:
+                rows = rows - plan.presence * in_output  # [P, V]
+            logits[plan.penalty_rows] = rows
+        if plan.bias_index is not None:
+            assert plan.bias_values is not None
+            logits.index_put_(plan.bias_index, plan.bias_values, accumulate=True)
+        if mask_rows:
+            rows_t = torch.tensor(mask_rows, dtype=torch.long, device=self.device)  # [M]
+            ids_t = torch.tensor(mask_ids, dtype=torch.long, device=self.device)  # [M]
+            logits[rows_t, ids_t] = float("-inf")
+        return logits
+
+    def _sample_random(self, plan: _BatchPlan, logits: torch.Tensor) -> torch.Tensor:
+        assert plan.temperature is not None
+        scaled = logits / plan.temperature  # [S, V]
+        if plan.top_p is not None:
+            scaled = _apply_top_k_top_p(scaled, plan.top_k, plan.top_p)  # [S, V]
+        elif plan.top_k is not None:
+            scaled = _apply_top_k(scaled, plan.top_k, plan.max_top_k)  # [S, V]
+        probs = scaled.softmax(dim=-1)  # [S, V]
+        if plan.min_p is not None:
+            threshold = probs.amax(dim=-1, keepdim=True) * plan.min_p  # [S, 1]
+            probs.masked_fill_(probs < threshold, 0.0)
+        # NOTE: argmax(probs / q) with q ~ Exp(1) picks token i with probability probs[i] / sum(probs):
+        # it needs no renormalization after truncation and no per-row multinomial.
+        q = self._exponential(probs.shape, self._generator)  # [S, V]
+        for row in plan.seeded_rows:
+            # A seeded row's noise comes only from its own stream, one [V] draw per step, so its
+            # tokens do not depend on which requests share the batch.
+            q[row] = self._exponential(probs.shape[1:], plan.states[row].generator)  # [V]
+        q.clamp_min_(torch.finfo(q.dtype).tiny)  # 0/0 would be NaN, which argmax would pick
+        sampled = (probs / q).argmax(dim=-1)  # [S]
+        if plan.greedy_mask is not None:
+            sampled = torch.where(plan.greedy_mask, logits.argmax(dim=-1), sampled)  # [S]
+        return sampled
+
+    def _exponential(self, shape: torch.Size, generator: torch.Generator | None) -> torch.Tensor:
+        """Exp(1) noise of `shape`."""
+        if self.device.type == "cpu":
+            # NOTE: torch's CPU exponential_ is ~5x slower than uniform + log; -log(U) ~ Exp(1).
+            # float64 keeps U's grid (2^-53) far below the smallest q that decides a race.
+            return torch.rand(shape, dtype=torch.float64, generator=generator).log_().neg_()
+        return torch.empty(shape, dtype=torch.float32, device=self.device).exponential_(generator=generator)
+
+    def _record(self, plan: _BatchPlan, tokens: torch.Tensor) -> None:
+        """Append each row's new token to its request's history (only what penalties/min_tokens read)."""
+        if plan.penalty_rows is not None:
+            assert plan.penalty_slots is not None
+            ones = torch.ones(plan.penalty_slots.shape, dtype=torch.int32, device=self.device)  # [P]
+            self._output_counts.index_put_((plan.penalty_slots, tokens[plan.penalty_rows]), ones, accumulate=True)
+        for row in plan.min_tokens_rows:
+            plan.states[row].num_output_tokens += 1
+
+    def _logprobs(self, plan: _BatchPlan, logits: torch.Tensor, tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+        """Raw logprobs (log_softmax of the model's logits) of the chosen and the top-N tokens."""
+        assert plan.logprobs_index is not None
+        logprobs = logits[plan.logprobs_index].log_softmax(dim=-1)  # [L, V]
+        chosen_ids = tokens[plan.logprobs_index]  # [L]
+        chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()  # [L]
+        top_values: list[list[float]] = [[] for _ in plan.logprobs_rows]
+        top_ids: list[list[int]] = [[] for _ in plan.logprobs_rows]
+        if plan.max_num_logprobs > 0:
+            top = logprobs.topk(plan.max_num_logprobs, dim=-1)  # [L, N]
+            top_values, top_ids = top.values.tolist(), top.indices.tolist()
+        result: list[TokenLogprobs | None] = [None] * len(plan.states)
+        for j, (row, token_id) in enumerate(zip(plan.logprobs_rows, chosen_ids.tolist())):
+            n = plan.states[row].params.logprobs or 0
+            result[row] = TokenLogprobs(token_id, chosen[j], list(zip(top_ids[j][:n], top_values[j][:n])))
+        return result
+
+    def _allocate_slot(self) -> int:
+        if not self._free_slots:
+            old = self._output_counts.shape[0]
+            new = max(_INITIAL_PENALTY_SLOTS, 2 * old)
+            counts = torch.zeros((new, self.vocab_size), dtype=torch.int32, device=self.device)  # [slots, V]
+            counts[:old] = self._output_counts
+            prompt = torch.zeros((new, self.vocab_size), dtype=torch.bool, device=self.device)  # [slots, V]
+            prompt[:old] = self._prompt_mask
+            self._output_counts, self._prompt_mask = counts, prompt
+            self._free_slots = list(range(new - 1, old - 1, -1))
+        return self._free_slots.pop()
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """Keep each row's k largest logits (ties at the k-th value kept); k == V keeps all.
+
+    `max_k` is the largest k below V, so topk reads only as many columns as a row needs.
+    """
+    vocab = logits.shape[-1]
+    enabled = top_k < vocab  # [S]
+    k = torch.where(enabled, top_k, 1)  # [S]; disabled rows read a dummy 1st value, masked below
+    kth = logits.topk(max_k, dim=-1).values  # [S, max_k]
+    index = (k - 1).unsqueeze(1)  # [S, 1]
+    threshold = kth.gather(1, index).masked_fill_(~enabled.unsqueeze(1), float("-inf"))  # [S, 1]
+    return logits.masked_fill(logits < threshold, float("-inf"))  # [S, V]
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k, then top-p over what top-k kept: the smallest set of best tokens whose mass >= p.
+
+    Sorts ascending, as vLLM does: a token is dropped when the mass of it and everything below it
+    is <= 1 - p, i.e. when the tokens strictly above it already hold >= p. The best token stays.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)  # [S, V], [S, V]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab - top_k).unsqueeze(1))  # [S, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [S, V]
+    drop = cumulative <= 1.0 - top_p  # [S, V]
+    drop[:, -1] = False
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)  # [S, V]

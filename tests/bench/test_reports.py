@@ -1,0 +1,137 @@
+"""Plots (from synthetic step stats), unit economics and the roofline arithmetic."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from backfill.bench.economics import estimate_wasted_share, format_economics, unit_economics
+from backfill.bench.metrics import RequestResult
+from backfill.bench.plots import plot_latency_cdf, plot_rate_sweep, plot_slot_timeline, slot_matrix, slot_shares
+from backfill.bench.roofline import (
+    MachineRoofline,
+    ModelShape,
+    decode_roofline,
+    format_roofline_table,
+    ideal_step,
+    load_model_shape,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    return struct.unpack(">II", data[16:24])
+
+
+def _static_timeline(num_slots: int, lengths: list[int]) -> list[list[str]]:
+    """Slot states of static batching: a batch runs until its longest request is done."""
+    steps = []
+    for first in range(0, len(lengths), num_slots):
+        batch = lengths[first:first + num_slots]
+        for k in range(max(batch)):
+            states = ["useful" if k < n else "idle" for n in batch]
+            steps.append(states + ["empty"] * (num_slots - len(batch)))
+    return steps
+
+
+def test_slot_matrix_and_shares() -> None:
+    timeline = _static_timeline(2, [1, 3, 2])
+    assert slot_matrix(timeline).tolist() == [[0, 1, 1, 0, 0], [0, 0, 0, 2, 2]]
+    shares = slot_shares(timeline)
+    assert shares == {"useful": 0.6, "idle": 0.2, "empty": 0.2}
+
+
+def test_slot_timeline_png(tmp_path: Path) -> None:
+    lengths = [2, 300, 5, 200, 3, 8, 400, 120] * 4
+    static = _static_timeline(8, lengths)
+    continuous = [["useful"] * 8 for _ in range(sum(lengths) // 8)] + [["useful"] * 3 + ["empty"] * 5] * 40
+    out = plot_slot_timeline({"static": static, "continuous": continuous}, tmp_path / "t.png",
+                             durations_s={"static": 12.0, "continuous": 6.0})
+    width, height = _png_size(out)
+    assert width > 800 and height > 300
+
+
+def test_rate_sweep_and_cdf_png(tmp_path: Path) -> None:
+    results = [
+        {"request_rate": 1.0, "output_throughput": 50.0, "p99_ttft_ms": 80.0},
+        {"request_rate": 4.0, "output_throughput": 180.0, "p99_ttft_ms": 300.0},
+        {"request_rate": "inf", "output_throughput": 200.0, "p99_ttft_ms": 9000.0},
+    ]
+    assert _png_size(plot_rate_sweep({"backfill": results}, tmp_path / "r.png"))[0] > 500
+    cdf = {"a": {"ttft": [0.1, 0.2, 0.3], "e2el": [1.0, 2.0]}, "b": {"ttft": [], "e2el": [3.0]}}
+    assert _png_size(plot_latency_cdf(cdf, tmp_path / "c.png"))[0] > 500
+
+
+def test_unit_economics() -> None:
+    econ = unit_economics(price_per_hour=3.6, duration_s=100.0, output_tokens=50_000, wasted_share=0.25)
+    assert econ["run_cost"] == pytest.approx(0.1)
+    assert econ["cost_per_million_output_tokens"] == pytest.approx(2.0)
+    assert econ["idle_slot_cost"] == pytest.approx(0.025)
+    assert econ["idle_slot_cost_per_million_output_tokens"] == pytest.approx(0.5)
+    assert "Cost per million output tokens" in format_economics(econ)
+    unknown = unit_economics(1.0, 10.0, 10)
+    assert unknown["idle_slot_cost"] is None and "wasted" not in format_economics(unknown)
+    with pytest.raises(ValueError, match="wasted_share"):
+        unit_economics(1.0, 1.0, 1, wasted_share=1.5)
+
+
+def test_estimate_wasted_share() -> None:
+    # 2 slots over 10 s; request A holds one from 0 to 10, B from 0 to 5, C (queued) from 0 to 10
+    results = [RequestResult(success=True, start_time=0.0, latency=10.0),
+               RequestResult(success=True, start_time=0.0, latency=5.0),
+               RequestResult(success=True, start_time=0.0, latency=10.0)]
+    assert estimate_wasted_share(results, num_slots=2, duration_s=10.0) == pytest.approx(0.0)
+    assert estimate_wasted_share(results[:2], num_slots=2, duration_s=10.0) == pytest.approx(0.25)
+    assert estimate_wasted_share(results[:1], num_slots=4, duration_s=10.0) == pytest.approx(0.75)
+
+
+SMOL = ModelShape("smol", 134_515_008, 30, 576, 9, 3, 64, 49152, True)
+MACHINE = MachineRoofline("cpu", 2, read_gbps=31.0, copy_gbps=26.0, matmul_gflops={"float32": 186.0, "bfloat16": 390.0})
+
+
+def test_ideal_decode_step_matches_hand_arithmetic() -> None:
+    # batch 1, no context: memory-bound, all weights once in bf16
+    one = ideal_step(SMOL, MACHINE, "bfloat16", 1, 1, 0)
+    assert one["bound"] == "memory"
+    assert one["ideal_s"] == pytest.approx(134_515_008 * 2 / 31e9)
+    # batch 64: compute-bound, 2 * params FLOPs per token
+    big = ideal_step(SMOL, MACHINE, "bfloat16", 64, 64, 0)
+    assert big["bound"] == "compute"
+    assert big["ideal_s"] == pytest.approx(2 * 134_515_008 * 64 / 390e9)
+    # KV read adds bytes: 64 seqs x 512 tokens x (2 x 30 x 3 x 64 x 2 bytes)
+    with_kv = ideal_step(SMOL, MACHINE, "bfloat16", 1, 1, 512)
+    assert with_kv["bytes"] - one["bytes"] == 512 * 23040
+    assert ideal_step(SMOL, MACHINE, "auto", 1, 1, 0) == one  # auto computes in bf16
+
+
+def test_decode_roofline_rows_and_table() -> None:
+    rows = decode_roofline(SMOL, MACHINE, "float32", [1, 8, 32, 64], 128, measured_s={1: 0.05, 32: 0.2})
+    assert [r["batch_size"] for r in rows] == [1, 8, 32, 64]
+    assert rows[0]["bound"] == "memory" and rows[-1]["bound"] == "compute"
+    assert rows[0]["measured_over_ideal"] == pytest.approx(0.05 / (rows[0]["ideal_ms"] / 1000))
+    assert "measured_ms" not in rows[1]
+    table = format_roofline_table(rows)
+    assert table.count("\n") == 5 and "| 8 | 128 |" in table and " - | - | - |" in table
+
+
+def test_model_shape_from_the_default_gguf_and_an_hf_folder(tmp_path: Path) -> None:
+    shape = load_model_shape(None)
+    assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads) == (30, 576, 9, 3)
+    assert shape.head_dim == 64 and shape.vocab_size == 49152 and shape.tie_word_embeddings
+    assert 134e6 < shape.num_params < 135e6
+    # an HF folder: config.json and a safetensors header are enough
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_attention_heads": 4, "num_hidden_layers": 2, "hidden_size": 32, "vocab_size": 100,
+        "num_key_value_heads": 2, "tie_word_embeddings": False}))
+    header = json.dumps({"a": {"dtype": "F32", "shape": [100, 32], "data_offsets": [0, 12800]},
+                         "b": {"dtype": "F32", "shape": [32, 32], "data_offsets": [12800, 16896]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16896)
+    hf = load_model_shape(str(tmp_path))
+    assert hf.num_params == 100 * 32 + 32 * 32 and hf.head_dim == 8 and not hf.tie_word_embeddings
+    assert hf.matmul_params == 32 * 32  # an untied embedding is a lookup

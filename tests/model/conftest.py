@@ -1,0 +1,51 @@
+"""Model-test fixtures: the default GGUF model (ours and transformers'), loaded once per session,
+in float32 so the comparisons can be tight."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from backfill.model.llama import LlamaForCausalLM
+from backfill.model.loader import default_model_path, load_model
+from backfill.model.tokenizer import Tokenizer, load_tokenizer
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def our_model(gguf_path: str) -> LlamaForCausalLM:
+    return load_model(gguf_path, torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf_path: str) -> torch.nn.Module:
+    """transformers' own Llama, loaded by its own GGUF loader from the same file (~20 s)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(gguf_path: str) -> Tokenizer:
+    return load_tokenizer(gguf_path)
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tokenizer: Tokenizer) -> list[list[int]]:
+    """Three prompts of different lengths (chat-formatted and plain)."""
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    texts = [
+        chat,
+        "The quick brown fox jumps over the lazy dog. The dog",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    ]
+    return [tokenizer.encode(t) for t in texts]

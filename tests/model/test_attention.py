@@ -1,0 +1,135 @@
+"""paged_attention (batched decodes + per-sequence prefills) against naive_attention (slot by
+slot gather, explicit fp32 softmax), and the metadata / KV-write plumbing they share."""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+import torch
+
+from backfill.model.attention import (
+    build_attention_metadata,
+    naive_attention,
+    paged_attention,
+    write_kv,
+)
+
+CPU = torch.device("cpu")
+# |paged - naive| <= atol + rtol * |naive|. fp32: equal up to summation order. bf16: both see
+# the same rounded inputs, but SDPA rounds its probabilities and output to bf16 (ulp 2**-8
+# relative), the reference rounds only its output; a few ulps apart.
+TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 0.0}, torch.bfloat16: {"atol": 1e-2, "rtol": 1.6e-2}}
+
+
+def make_step(
+    num_computed: list[int],
+    query_lens: list[int],
+    block_size: int,
+    num_blocks: int,
+    seed: int,
+) -> tuple[torch.Tensor, object, list[list[int]]]:
+    """Random non-contiguous block tables (with spare trailing blocks) for one step."""
+    rng = random.Random(seed)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = []
+    for nc, q in zip(num_computed, query_lens):
+        needed = -(-(nc + q) // block_size) + rng.randint(0, 2)  # some tables over-allocated
+        tables.append([free.pop() for _ in range(needed)])
+    positions, meta = build_attention_metadata(num_computed, query_lens, tables, block_size, CPU)
+    return positions, meta, tables
+
+
+CASES = {
+    # name: (num_computed, query_lens)
+    "mixed": ([37, 0, 100, 5, 0, 63, 250], [1, 20, 1, 17, 1, 1, 33]),
+    "decode_only": ([3, 64, 15, 200, 1, 90], [1, 1, 1, 1, 1, 1]),
+    "prefill_only": ([0, 0, 0], [5, 48, 2]),
+    "chunked_only": ([16, 7, 120], [16, 9, 40]),
+    "one_token_prompt": ([0], [1]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 16, 5)])
+def test_paged_matches_naive(
+    dtype: torch.dtype, case: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    num_computed, query_lens = CASES[case]
+    num_blocks = 200
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{case}-{num_heads}-{block_size}".encode()))
+    positions, meta, _ = make_step(num_computed, query_lens, block_size, num_blocks, seed=3)
+    num_tokens = sum(query_lens)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    # Every slot holds random data, including slots no sequence owns: reading one would show.
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = (2 * torch.randn(num_tokens, num_heads, head_dim, generator=gen)).to(dtype)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    scale = head_dim**-0.5
+
+    fast = paged_attention(q, k_cache, v_cache, meta, scale)
+    ref = naive_attention(q, k_cache, v_cache, meta, scale)
+    assert fast.shape == (num_tokens, num_heads, head_dim) and fast.dtype == dtype
+    torch.testing.assert_close(fast.float(), ref.float(), **TOLERANCE[dtype])
+
+
+def test_paged_reads_this_steps_kv_and_non_contiguous_q() -> None:
+    """q given as a strided view (as the model passes it), decodes interleaved with prefills
+    (non-contiguous decode rows), and a query must see the K/V written in the same step."""
+    num_computed, query_lens = [10, 0, 30, 0], [1, 6, 1, 3]
+    positions, meta, _ = make_step(num_computed, query_lens, 4, 64, seed=1)
+    assert meta.decode_rows is None and meta.decode_token_index is not None
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, heads, kv_heads, dim = sum(query_lens), 6, 2, 8
+    qk = torch.randn(num_tokens, heads + kv_heads, dim, generator=gen)
+    q = qk[:, :heads]  # [T, H, D] strided view
+    k_cache = torch.randn(64, 4, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(64, 4, kv_heads, dim, generator=gen)
+    write_kv(k_cache, v_cache, qk[:, heads:], qk[:, heads:] * 2, meta.slot_mapping)
+    fast = paged_attention(q, k_cache, v_cache, meta, 0.3)
+    ref = naive_attention(q, k_cache, v_cache, meta, 0.3)
+    torch.testing.assert_close(fast, ref, atol=2e-5, rtol=0)
+    # The first token of a fresh prompt attends only to itself: output = its own V.
+    first_prompt_row = 1
+    own_v = (qk[first_prompt_row, heads:] * 2).repeat_interleave(heads // kv_heads, dim=0)  # [H, D]
+    torch.testing.assert_close(fast[first_prompt_row], own_v, atol=1e-6, rtol=0)
+
+
+def test_metadata_positions_slots_and_decode_group() -> None:
+    tables = [[7, 2], [5], [9, 4, 1]]
+    positions, meta = build_attention_metadata([3, 0, 8], [1, 2, 1], tables, 4, CPU)
+    assert positions.tolist() == [3, 0, 1, 8]
+    assert meta.slot_mapping.tolist() == [7 * 4 + 3, 5 * 4 + 0, 5 * 4 + 1, 1 * 4 + 0]
+    assert meta.query_start.tolist() == [0, 1, 3, 4]
+    assert meta.seq_lens.tolist() == [4, 2, 9] and meta.seq_lens_list == [4, 2, 9]
+    assert meta.block_tables.tolist() == [[7, 2, 0], [5, 0, 0], [9, 4, 1]]
+    assert meta.num_decode == 2 and meta.decode_token_index.tolist() == [0, 3]
+    # decode blocks padded to the longest decode (9 tokens -> 3 blocks of 4)
+    assert meta.decode_block_ids.tolist() == [7, 2, 0, 9, 4, 1]
+    assert meta.decode_mask[:, 0, 0].sum(-1).tolist() == [4, 9]
+    assert len(meta.prefills) == 1 and meta.prefills[0].mask is None  # fresh prompt: causal
+    assert (meta.prefills[0].token_start, meta.prefills[0].token_end) == (1, 3)
+
+
+def test_metadata_rejects_short_block_table_and_empty_query() -> None:
+    with pytest.raises(ValueError, match="block_tables\\[0\\]"):
+        build_attention_metadata([15], [2], [[0]], 16, CPU)
+    with pytest.raises(ValueError, match="query_lens\\[1\\]"):
+        build_attention_metadata([0, 3], [2, 0], [[0], [1]], 16, CPU)
+
+
+def test_write_kv_writes_exactly_the_mapped_slots() -> None:
+    k_cache = torch.zeros(4, 2, 1, 3)
+    v_cache = torch.zeros(4, 2, 1, 3)
+    k = torch.arange(1, 7, dtype=torch.float32).view(2, 1, 3)
+    write_kv(k_cache, v_cache, k, -k, torch.tensor([5, 2]))
+    flat_k = k_cache.view(8, 3)
+    assert flat_k[5].tolist() == [1, 2, 3] and flat_k[2].tolist() == [4, 5, 6]
+    assert flat_k.abs().sum().item() == 21  # nothing else touched
+    assert v_cache.view(8, 3)[5].tolist() == [-1, -2, -3]

@@ -1,0 +1,23 @@
+"""Fixtures for the HTTP tests.
+
+`server` is one shared process (default model, float32, an API key) for every test that can
+share it, since loading the model costs seconds; tests that must own a process (overload
+limits, SIGTERM) start their own with `start_server`. Every process is killed at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.server.harness import API_KEY, ServerProcess, start_server
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[ServerProcess]:
+    process = start_server("--api-key", API_KEY, "--max-num-seqs", "32")
+    try:
+        yield process
+    finally:
+        process.stop()

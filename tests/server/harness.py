@@ -1,0 +1,100 @@
+"""Starting real server processes, and reading their /metrics, for the HTTP tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import httpx
+
+API_KEY = "sk-backfill-test"
+MODEL = "SmolLM2-135M-Instruct"
+STARTUP_TIMEOUT_S = 180.0
+# Small KV pools keep three float32 servers' memory modest; they still hold 64 short requests.
+COMMON_ARGS = ["--dtype", "float32", "--num-kv-blocks", "768"]
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen[bytes]
+    base_url: str
+    log_path: str
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def metrics(self) -> dict[str, float]:
+        """The /metrics samples, as 'name{labels}' -> value (the model_name label dropped)."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        samples: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.rsplit(" ", 1)
+            key = re.sub(r'model_name="[^"]*",?', "", key).replace("{}", "").replace(",}", "}")
+            samples[key] = float(value)
+        return samples
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_server(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
+    """Start `python -m backfill.entrypoints.openai.api_server` and wait for /health."""
+    port = _free_port()
+    log = tempfile.NamedTemporaryFile(prefix="backfill-server-", suffix=".log", delete=False)
+    command = [sys.executable, "-m", "backfill.entrypoints.openai.api_server", "--host", "127.0.0.1",
+               "--port", str(port), *COMMON_ARGS, *args]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, **(env or {})})
+    server = ServerProcess(process, f"http://127.0.0.1:{port}", log.name)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()[-4000:]}")
+            try:
+                if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+                    return server
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{server.log()[-4000:]}")
+    except BaseException:
+        server.stop()
+        raise
+
+
+def wait_until(predicate: object, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(interval)
+    return bool(predicate())  # type: ignore[operator]
+
+
+def engine_idle(server: ServerProcess) -> bool:
+    samples = server.metrics()
+    return (samples["backfill:num_requests_running"] == 0 and samples["backfill:num_requests_waiting"] == 0
+            and samples["backfill:kv_cache_usage_perc"] == 0)
+
