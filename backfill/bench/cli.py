@@ -13,10 +13,13 @@ import logging
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from backfill.config import DTYPES
 from backfill.bench.workloads import ARRIVAL_KINDS, WORKLOAD_KINDS, WorkloadRequest, WorkloadSpec
+from backfill.config import DTYPES
+
+if TYPE_CHECKING:
+    from backfill.bench.compare import CompareConfig
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +125,7 @@ def add_bench_subparser(subparsers: Any) -> None:
     roofline.add_argument("--context-len", type=int, default=128, help="tokens of context per sequence")
     roofline.add_argument("--measure-steps", type=int, default=8,
                           help="decode steps to time per batch size with the engine (0: skip)")
+    roofline.add_argument("--buffer-mb", type=int, default=1024, help="bandwidth test buffer (exceed the L3 cache)")
     roofline.add_argument("--result-file", default=None)
     _add_engine_arguments(roofline)
 
@@ -225,36 +229,41 @@ def _measure_roofline(args: argparse.Namespace) -> tuple[Any, Any] | None:
 
 
 def _cmd_offline(args: argparse.Namespace) -> int:
-    from backfill.bench.compare import CompareConfig, format_compare, run_compare
+    from backfill.bench.compare import CompareConfig
 
     policies = ("continuous", "static") if args.policy == "both" else (args.policy,)
     return _run_comparison(args, CompareConfig(
         model=args.model, dtype=args.dtype, device=args.device, batch_size=args.max_num_seqs, repeats=args.repeats,
         systems=policies, max_model_len=args.max_model_len, price_per_hour=args.price_per_hour,
-        show_progress=not args.no_progress), "offline", run_compare, format_compare)
+        show_progress=not args.no_progress), "offline")
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from backfill.bench.compare import CompareConfig, format_compare, run_compare
+    from backfill.bench.compare import CompareConfig
 
     return _run_comparison(args, CompareConfig(
         model=args.model, dtype=args.dtype, device=args.device, batch_size=args.batch_size, repeats=args.repeats,
         systems=tuple(args.systems), max_model_len=args.max_model_len, price_per_hour=args.price_per_hour,
-        show_progress=not args.no_progress), "compare", run_compare, format_compare)
+        show_progress=not args.no_progress), "compare")
 
 
-def _run_comparison(args: argparse.Namespace, config: Any, stem: str, run: Any, fmt: Any) -> int:
+def _run_comparison(args: argparse.Namespace, config: CompareConfig, stem: str) -> int:
+    """Shared by `offline` (backfill policies only) and `compare` (with the transformers baseline)."""
+    from backfill.bench.compare import format_compare, run_compare
+    from backfill.bench.offline import format_step_roofline
+
     requests = _workload_from_args(args)
     roofline = _measure_roofline(args)
     machine, shape = roofline if roofline else (None, None)
-    report, first_runs = run(requests, config, machine, shape)
+    report, first_runs = run_compare(requests, config, machine, shape)
     report["argv"] = sys.argv
-    print(fmt(report))
+    print(format_compare(report))
     for name, summary in report["medians"].items():
         rows = report["runs"][name][0].get("decode_steps_by_batch")
         if rows:
-            print(f"{name}: roofline efficiency {summary.get('roofline_efficiency', 0):.2f} "
-                  "(sum of ideal step times / sum of measured)")
+            print(f"\n{name}: roofline efficiency {summary.get('roofline_efficiency', 0):.2f} "
+                  "(sum of ideal step times / sum of measured); decode steps of the first repeat:")
+            print(format_step_roofline(rows))
     path = _result_path(args, stem)
     _write_json(path, report)
     if args.plot:
@@ -263,7 +272,9 @@ def _run_comparison(args: argparse.Namespace, config: Any, stem: str, run: Any, 
         timelines = {n: [s.slot_states for s in first_runs[n].step_stats] for n in ("static", "continuous") if n in first_runs}
         if timelines:
             durations = {n: first_runs[n].duration for n in timelines}
-            print(f"wrote {plot_slot_timeline(timelines, path.with_name(path.stem + '_slot_timeline.png'), durations)}")
+            ids = {n: [s.slot_request_ids for s in first_runs[n].step_stats] for n in timelines}
+            out = plot_slot_timeline(timelines, path.with_name(path.stem + "_slot_timeline.png"), durations, ids)
+            print(f"wrote {out}")
         cdf = {n: {"ttft": [r.ttft for r in run_.results if r.success], "e2el": [r.latency for r in run_.results if r.success]}
                for n, run_ in first_runs.items()}
         print(f"wrote {plot_latency_cdf(cdf, path.with_name(path.stem + '_latency_cdf.png'))}")
@@ -271,10 +282,10 @@ def _run_comparison(args: argparse.Namespace, config: Any, stem: str, run: Any, 
 
 
 def _cmd_roofline(args: argparse.Namespace) -> int:
-    from backfill.bench.roofline import (decode_roofline, format_machine, format_roofline_table, load_model_shape,
-                                         measure_machine, resolve_dtype)
+    from backfill.bench.roofline import (decode_roofline, describe_host, format_machine, format_roofline_table,
+                                         load_model_shape, measure_machine, resolve_dtype)
 
-    machine = measure_machine(args.device)
+    machine = measure_machine(args.device, buffer_mb=args.buffer_mb)
     shape = load_model_shape(args.model)
     print(format_machine(machine))
     print(f"model {shape.name}: {shape.num_params / 1e6:.1f} M parameters, dtype {resolve_dtype(args.dtype)}")
@@ -291,7 +302,7 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
     rows = decode_roofline(shape, machine, args.dtype, args.batch_sizes, args.context_len, measured)
     print(format_roofline_table(rows))
     _write_json(_result_path(args, "roofline"), {
-        "machine": machine.to_json(), "model": shape.__dict__, "dtype": resolve_dtype(args.dtype), "rows": rows,
+        "host": describe_host(), "machine": machine.to_json(), "model": shape.__dict__, "dtype": resolve_dtype(args.dtype), "rows": rows,
     })
     return 0
 

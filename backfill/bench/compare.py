@@ -21,7 +21,7 @@ from backfill.bench.offline import (
     summarize_offline,
     warm_up,
 )
-from backfill.bench.roofline import MachineRoofline, ModelShape, resolve_dtype
+from backfill.bench.roofline import MachineRoofline, ModelShape, describe_host, resolve_dtype
 from backfill.bench.workloads import WorkloadRequest, describe_workload
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ def run_compare(
     model_shape: ModelShape | None = None,
 ) -> tuple[dict[str, Any], dict[str, OfflineRun]]:
     """Run every system; returns (report, the first repeat's run of each system, for plots)."""
+    host_before = describe_host()
     tokenized: list[WorkloadRequest] | None = None
     per_system: dict[str, list[dict[str, Any]]] = {}
     first_runs: dict[str, OfflineRun] = {}
@@ -138,7 +139,8 @@ def run_compare(
         if tokenized is None:
             tokenized = tokenize_workload(requests, lambda text: tokenizer.encode(text))
         pad_id = pad_token_id(tokenizer)
-        run_hf_static(hf_model, [tokenized[0].prompt_token_ids or [1]] * 2, [4, 4], 2, pad_id)  # warm-up
+        warm = [tokenized[0].prompt_token_ids or [1]] * config.batch_size
+        run_hf_static(hf_model, warm, [4] * config.batch_size, config.batch_size, pad_id)  # warm-up
         prompts = [list(r.prompt_token_ids or []) for r in tokenized]
         max_tokens = [r.max_tokens for r in tokenized]
         arrivals = [r.arrival_s for r in tokenized]
@@ -165,6 +167,7 @@ def run_compare(
         },
         "workload": describe_workload(list(requests)),
         "machine": machine.to_json() if machine is not None else None,
+        "host": {**host_before, "load_average_1m_after": describe_host().get("load_average_1m")},
         "medians": medians,
         "ratios": compute_ratios(medians),
         "runs": {name: [_strip(s) for s in summaries] for name, summaries in per_system.items()},
@@ -207,6 +210,8 @@ def format_compare(report: dict[str, Any]) -> str:
                 f"{SYSTEM_LABELS[other]} p50 / p99 end-to-end latency is "
                 f"{ratios[f'{other}_vs_continuous_p50_e2el']:.2f}x / {ratios[f'{other}_vs_continuous_p99_e2el']:.2f}x continuous's"
             )
+    host = report.get("host") or {}
     lines.append(f"(medians over {report['config']['repeats']} repeat(s), dtype {report['config']['dtype']}, "
-                 f"batch size {report['config']['batch_size']})")
+                 f"batch size {report['config']['batch_size']}; {host.get('cpu', '?')}, {host.get('num_cpus', '?')} CPUs, "
+                 f"load average {host.get('load_average_1m', '?')} before / {host.get('load_average_1m_after', '?')} after)")
     return "\n".join(lines)

@@ -71,9 +71,10 @@ def greedy_params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def warm_up(engine: LLMEngine, num_requests: int = 2, max_tokens: int = 4) -> None:
-    """A few tiny requests so the first measured step pays no one-time costs."""
-    for i in range(num_requests):
+def warm_up(engine: LLMEngine, num_requests: int | None = None, max_tokens: int = 4) -> None:
+    """Tiny requests filling every slot, so the first measured steps pay no one-time costs
+    (allocations and kernel choices for the full batch shape)."""
+    for i in range(num_requests or engine.config.max_num_seqs):
         engine.add_request(f"warmup-{time.monotonic_ns()}-{i}", "Warm up the engine, please.", greedy_params(max_tokens))
     while engine.has_unfinished_requests():
         engine.step()
@@ -203,6 +204,17 @@ def step_roofline(
         "roofline_efficiency": total_ideal / total_measured if total_measured else 0.0,
         "decode_steps_by_batch": rows,
     }
+
+
+def format_step_roofline(rows: Sequence[dict[str, Any]], min_steps: int = 5) -> str:
+    """Markdown table of `step_roofline` decode rows with at least `min_steps` steps."""
+    lines = ["| batch | decode steps | median measured (ms) | median ideal (ms) | measured / ideal |",
+             "|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["num_steps"] >= min_steps:
+            lines.append(f"| {r['batch_size']} | {r['num_steps']} | {r['median_measured_ms']:.1f} | "
+                         f"{r['median_ideal_ms']:.1f} | {r['measured_over_ideal']:.2f}x |")
+    return "\n".join(lines)
 
 
 def summarize_offline(

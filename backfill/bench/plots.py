@@ -20,16 +20,30 @@ from matplotlib.patches import Patch  # noqa: E402
 
 SLOT_STATES: tuple[str, ...] = ("useful", "idle", "empty")
 SLOT_COLORS: tuple[str, ...] = ("#2e9e4f", "#e8833a", "#e6e6e6")  # green, orange, light grey
+ADMIT_COLOR = "#0b4d1f"  # dark green: the step a new request took the slot
+ADMIT_CODE = len(SLOT_STATES)
 
 
-def slot_matrix(slot_states: Sequence[Sequence[str]]) -> np.ndarray:
-    """[num_slots, num_steps] codes (0 useful, 1 idle, 2 empty) from per-step slot states."""
+def slot_matrix(
+    slot_states: Sequence[Sequence[str]], slot_request_ids: Sequence[Sequence[str | None]] | None = None
+) -> np.ndarray:
+    """[num_slots, num_steps] codes (0 useful, 1 idle, 2 empty) from per-step slot states.
+
+    With `slot_request_ids`, a useful cell whose request differs from the slot's previous one
+    gets ADMIT_CODE (3): the moment a request was admitted into that slot.
+    """
     num_slots = max((len(s) for s in slot_states), default=0)
     codes = {name: i for i, name in enumerate(SLOT_STATES)}
     matrix = np.full((num_slots, len(slot_states)), 2, dtype=np.int8)  # [num_slots, num_steps]
+    previous: list[str | None] = [None] * num_slots
     for step, states in enumerate(slot_states):
+        ids = slot_request_ids[step] if slot_request_ids is not None else None
         for slot, state in enumerate(states):
             matrix[slot, step] = codes[state]
+            if ids is not None and slot < len(ids):
+                if state == "useful" and ids[slot] is not None and ids[slot] != previous[slot]:
+                    matrix[slot, step] = ADMIT_CODE
+                previous[slot] = ids[slot]
     return matrix
 
 
@@ -44,20 +58,23 @@ def plot_slot_timeline(
     timelines: Mapping[str, Sequence[Sequence[str]]],
     path: str | Path,
     durations_s: Mapping[str, float] | None = None,
+    request_ids: Mapping[str, Sequence[Sequence[str | None]]] | None = None,
     title: str = "Slot occupancy: one row per batch slot, one column per engine step",
 ) -> Path:
     """One panel per run (e.g. static above continuous), sharing the step axis.
 
     A slot is useful (its request produced a token or a prompt chunk), idle (held by a request
-    that has finished, or waits for its batch), or empty (nothing admitted).
+    that has finished, or waits for its batch), or empty (nothing admitted). With
+    `request_ids`, a dark tick marks each step where a new request took a slot.
     """
     names = list(timelines)
     fig, axes = plt.subplots(len(names), 1, figsize=(12, 1.2 + 1.6 * len(names)), sharex=True, squeeze=False)
-    cmap = ListedColormap(list(SLOT_COLORS))
+    cmap = ListedColormap(list(SLOT_COLORS) + [ADMIT_COLOR])
     max_steps = max((len(t) for t in timelines.values()), default=1)
     for ax, name in zip(axes[:, 0], names):
-        matrix = slot_matrix(timelines[name])
-        ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=2,
+        ids = request_ids.get(name) if request_ids else None
+        matrix = slot_matrix(timelines[name], ids)
+        ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=ADMIT_CODE,
                   extent=(0, matrix.shape[1], matrix.shape[0], 0))
         shares = slot_shares(timelines[name])
         label = f"{name}: {matrix.shape[1]} steps, {100 * shares['useful']:.0f}% of slot-steps useful"
@@ -67,8 +84,10 @@ def plot_slot_timeline(
         ax.set_ylabel("slot")
         ax.set_xlim(0, max_steps)
     axes[-1, 0].set_xlabel("engine step")
-    fig.legend(handles=[Patch(color=c, label=s) for s, c in zip(SLOT_STATES, SLOT_COLORS)],
-               loc="upper right", ncol=3, fontsize=9, frameon=False)
+    handles = [Patch(color=c, label=s) for s, c in zip(SLOT_STATES, SLOT_COLORS)]
+    if request_ids:
+        handles.append(Patch(color=ADMIT_COLOR, label="a new request takes the slot"))
+    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=9, frameon=False)
     fig.suptitle(title, x=0.01, ha="left", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     return _save(fig, path)

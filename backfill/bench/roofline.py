@@ -293,3 +293,33 @@ def format_roofline_table(rows: list[dict[str, Any]]) -> str:
                 line += " - | - | - |"
         lines.append(line)
     return "\n".join(lines)
+
+
+def describe_host() -> dict[str, Any]:
+    """CPU model, core count, torch threads and load average: context every report carries.
+
+    A load average above the core count means other work shared the machine during the run.
+    """
+    import os
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info: dict[str, Any] = {"cpu": model, "num_cpus": os.cpu_count(), "platform": platform.platform()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    if hasattr(os, "getloadavg"):
+        info["load_average_1m"] = round(os.getloadavg()[0], 2)
+    return info

@@ -96,21 +96,29 @@ class RequestStream:
     """The outputs of one request, in order; ends after the output with `finished=True`.
 
     Iterate it on the event loop. An engine failure or a forced shutdown ends it by raising
-    (`EngineDeadError` / `EngineStoppedError`). Closing it early (`close()`) aborts the request.
+    (`EngineDeadError` / `EngineStoppedError`); an abort ends it quietly. Closing it early
+    (`close()`) aborts the request.
     """
 
     def __init__(self, request_id: str, engine: AsyncEngine, accepted: asyncio.Future[None]) -> None:
         self.request_id = request_id
         self._engine = engine
         self.accepted = accepted  # resolved by the engine thread once the request is queued
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.finished = False  # True once the last output (or an error) was queued
+        self._queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+        self.finished = False  # True once nothing more will be queued
+        self._exhausted = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
         if self.finished:
             return
         self.finished = isinstance(item, BaseException) or item.finished
         self._queue.put_nowait(item)
+
+    def end(self) -> None:
+        """No more outputs (the request was aborted): wake the reader and stop it."""
+        if not self.finished:
+            self.finished = True
+            self._queue.put_nowait(None)
 
     def close(self) -> None:
         """Abort the request unless it already finished. Idempotent."""
@@ -121,11 +129,16 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished and self._queue.empty():
+        if self._exhausted:
             raise StopAsyncIteration
         item = await self._queue.get()
+        if item is None:
+            self._exhausted = True
+            raise StopAsyncIteration
         if isinstance(item, BaseException):
+            self._exhausted = True
             raise item
+        self._exhausted = item.finished
         return item
 
 
@@ -272,7 +285,7 @@ class AsyncEngine:
             # A stream is in _streams exactly while its request lives in the engine.
             stream = self._streams.pop(request_id, None)
             if stream is not None:
-                stream.finished = True
+                stream.end()
                 live.append(request_id)
         if not live:
             return
@@ -349,6 +362,10 @@ class AsyncEngine:
                         engine.add_request(sub.request_id, sub.prompt, sub.params, arrival_time=sub.arrival_time)
                         results.append((sub.accepted, None))
                     except ValueError as error:
+                        results.append((sub.accepted, error))
+                    except Exception as error:  # a bug hit by one input must not stop the engine
+                        logger.exception("engine rejected request %s", sub.request_id)
+                        engine.abort_request([sub.request_id])
                         results.append((sub.accepted, error))
                 # Aborts after adds: an abort may target a request submitted in the same batch.
                 if aborts:

@@ -141,14 +141,13 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [vocab, hidden]
         return F.linear(hidden, weight).float()  # [S, vocab]
 
-    @torch.no_grad()
-    def make_kv_caches(
-        self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
-        device: torch.device | None = None,
-    ) -> list[tuple[Tensor, Tensor]]:
-        """Zeroed per-layer (k_cache, v_cache) pairs, [num_blocks, block_size, Hkv, D] each
-        (the layout the ModelRunner allocates; a convenience for tests and tools)."""
-        ref = self.embed_tokens.weight
+    def make_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[Tensor, Tensor]]:
+        """Zeroed per-layer (k_cache, v_cache) pairs, [num_blocks, block_size, Hkv, D] each, in
+        the model's dtype and device (the layout the ModelRunner allocates; for tests and tools)."""
+        weight = self.embed_tokens.weight  # [vocab, hidden]
         shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
-        kwargs = {"dtype": dtype or ref.dtype, "device": device or ref.device}
-        return [(torch.zeros(shape, **kwargs), torch.zeros(shape, **kwargs)) for _ in self.layers]
+
+        def zeros() -> Tensor:
+            return torch.zeros(shape, dtype=weight.dtype, device=weight.device)  # [blocks, bs, Hkv, D]
+
+        return [(zeros(), zeros()) for _ in self.layers]

@@ -78,6 +78,25 @@ def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.endswith(".gguf")
 
 
+def preferred_dtype(device: torch.device) -> torch.dtype:
+    """The fast compute dtype of `device`: bf16 on GPUs that support it and on CPUs with native
+    bf16 matmul (AVX-512 BF16 or AMX), else fp32 (fp16 on old GPUs).
+
+    NOTE: without native bf16, torch emulates bf16 matmuls on the CPU: ~3x slower than fp32
+    (measured on an AVX-512F Xeon without AVX512_BF16: a 32x576x3072 linear took 4.0 ms in
+    bf16 vs 1.3 ms in fp32, one thread).
+    """
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cpu":
+        cpu = getattr(torch, "cpu", None)
+        checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        if any(getattr(cpu, name, lambda: False)() for name in checks):
+            return torch.bfloat16
+        return torch.float32
+    return torch.float32
+
+
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """Build LlamaForCausalLM with real weights in `dtype` on `device`, in eval mode, no grads."""
     start = time.perf_counter()

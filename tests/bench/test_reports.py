@@ -135,3 +135,10 @@ def test_model_shape_from_the_default_gguf_and_an_hf_folder(tmp_path: Path) -> N
     hf = load_model_shape(str(tmp_path))
     assert hf.num_params == 100 * 32 + 32 * 32 and hf.head_dim == 8 and not hf.tie_word_embeddings
     assert hf.matmul_params == 32 * 32  # an untied embedding is a lookup
+
+
+def test_admissions_are_marked_when_request_ids_are_given() -> None:
+    states = [["useful", "useful"], ["useful", "useful"], ["useful", "empty"]]
+    ids = [["a", "b"], ["a", "c"], ["d", None]]
+    assert slot_matrix(states, ids).tolist() == [[3, 0, 3], [3, 3, 2]]
+    assert slot_shares(states)["useful"] == pytest.approx(5 / 6)

@@ -27,7 +27,7 @@ def server_url() -> Iterator[str]:
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "backfill.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-         "--dtype", "float32", "--max-num-seqs", "8"],
+         "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "1024"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     url = f"http://127.0.0.1:{port}"
@@ -60,16 +60,40 @@ def test_bench_serve_counts_match_server_metrics(server_url: str) -> None:
                                               prompt_words=(8, 16), seed=11))
     before = httpx.get(server_url + "/metrics", timeout=10).text
     assert "backfill:generation_tokens_total" in before
-    result = run_serve_benchmark(requests, ServeBenchConfig(base_url=server_url, request_rate=20.0, show_progress=False,
-                                                             goodput_slo_ms={"ttft": 60_000.0}))
+    config = ServeBenchConfig(base_url=server_url, request_rate=20.0, show_progress=False, num_warmups=0,
+                              goodput_slo_ms={"ttft": 60_000.0})
+    result = run_serve_benchmark(requests, config)
     after = httpx.get(server_url + "/metrics", timeout=10).text
     assert result["completed"] == 8 and result["failed"] == 0, result["errors"]
     expected = sum(r.max_tokens for r in requests)
     assert result["total_output_tokens"] == expected  # ignore_eos: exactly the asked lengths
     assert result["num_output_len_mismatch"] == 0
-    # the server's own counter moved by what we counted (the warm-up request came before `before`)
+    # the server's own counter moved by exactly what we counted
     server_delta = parse_generation_tokens_total(after) - parse_generation_tokens_total(before)  # type: ignore[operator]
     assert server_delta == expected
     assert result["server_generation_tokens_delta"] == expected
     assert result["total_input_tokens"] > 0 and result["mean_ttft_ms"] > 0 and result["p99_itl_ms"] > 0
     assert result["request_goodput"] is not None and result["max_concurrent_requests"] >= 1
+
+
+def test_bench_serve_cli_sweep_excludes_the_warm_up_from_the_check(server_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from backfill.bench.workloads import save_workload
+
+    workload = tmp_path / "w.jsonl"
+    save_workload(generate_workload(WorkloadSpec(num_requests=4, short_tokens=(2, 3), long_tokens=(6, 8), seed=2)), workload)
+    out = tmp_path / "serve.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "backfill.bench.cli", "serve", "--base-url", server_url, "--workload", str(workload),
+         "--request-rate", "50", "inf", "--result-file", str(out), "--plot", "--no-progress",
+         "--price-per-hour", "1.0", "--num-slots", "8"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rate in ("50", "inf"):
+        data = json.loads((tmp_path / f"serve-rate{rate}.json").read_text())
+        assert data["server_generation_tokens_delta"] == data["total_output_tokens"]  # warm-up not counted
+        assert 0 <= data["economics"]["wasted_slot_share"] <= 1
+    assert proc.stdout.count("matches the") == 2
+    assert (tmp_path / "serve_rate_sweep.png").exists() and (tmp_path / "serve_latency_cdf.png").exists()

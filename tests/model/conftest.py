@@ -42,7 +42,7 @@ def tokenizer(gguf_path: str) -> Tokenizer:
 @pytest.fixture(scope="session")
 def prompt_ids(tokenizer: Tokenizer) -> list[list[int]]:
     """Three prompts of different lengths (chat-formatted and plain)."""
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Write a short poem about the sea."}])
     texts = [
         chat,
         "The quick brown fox jumps over the lazy dog. The dog",

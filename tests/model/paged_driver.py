@@ -52,9 +52,16 @@ class PagedDriver:
             self.num_computed[request_id] += len(token_ids)
         return self.model.compute_logits(hidden[last_rows])  # [S, vocab]
 
-    def greedy(self, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None) -> list[list[int]]:
+    def greedy(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        chunk: int | None = None,
+        suppress_token_ids: tuple[int, ...] = (),
+    ) -> list[list[int]]:
         """Greedy continuations of all prompts, batched: prompts are prefilled together (in
-        chunks of `chunk` tokens if given), then every sequence decodes one token per step."""
+        chunks of `chunk` tokens if given), then every sequence decodes one token per step.
+        `suppress_token_ids` are never chosen (like transformers' min_new_tokens does for eos)."""
         ids = [f"r{i}" for i in range(len(prompts))]
         pending = {r: list(p) for r, p in zip(ids, prompts)}
         outputs: dict[str, list[int]] = {r: [] for r in ids}
@@ -67,6 +74,7 @@ class PagedDriver:
                 batch.append((r, pending[r][:take]))
                 pending[r] = pending[r][take:]
             logits = self.step(batch)  # [S, vocab]
+            logits[:, list(suppress_token_ids)] = float("-inf")
             for (r, _), row in zip(batch, logits):
                 if not pending[r]:  # the whole prompt is in: this row predicts a new token
                     token = int(row.argmax())

@@ -49,6 +49,8 @@ CASES = {
     "prefill_only": ([0, 0, 0], [5, 48, 2]),
     "chunked_only": ([16, 7, 120], [16, 9, 40]),
     "one_token_prompt": ([0], [1]),
+    # very different lengths: decodes split into length groups (see test_decode_length_groups)
+    "ragged_decodes": ([700, 20, 30, 690, 15, 0, 25, 710, 40], [1, 1, 1, 1, 1, 12, 1, 1, 1]),
 }
 
 
@@ -59,7 +61,7 @@ def test_paged_matches_naive(
     dtype: torch.dtype, case: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> None:
     num_computed, query_lens = CASES[case]
-    num_blocks = 200
+    num_blocks = 800
     gen = torch.Generator().manual_seed(zlib.crc32(f"{case}-{num_heads}-{block_size}".encode()))
     positions, meta, _ = make_step(num_computed, query_lens, block_size, num_blocks, seed=3)
     num_tokens = sum(query_lens)
@@ -84,7 +86,7 @@ def test_paged_reads_this_steps_kv_and_non_contiguous_q() -> None:
     (non-contiguous decode rows), and a query must see the K/V written in the same step."""
     num_computed, query_lens = [10, 0, 30, 0], [1, 6, 1, 3]
     positions, meta, _ = make_step(num_computed, query_lens, 4, 64, seed=1)
-    assert meta.decode_rows is None and meta.decode_token_index is not None
+    assert len(meta.decode_groups) == 1 and not isinstance(meta.decode_groups[0].rows, slice)
     gen = torch.Generator().manual_seed(0)
     num_tokens, heads, kv_heads, dim = sum(query_lens), 6, 2, 8
     qk = torch.randn(num_tokens, heads + kv_heads, dim, generator=gen)
@@ -109,10 +111,12 @@ def test_metadata_positions_slots_and_decode_group() -> None:
     assert meta.query_start.tolist() == [0, 1, 3, 4]
     assert meta.seq_lens.tolist() == [4, 2, 9] and meta.seq_lens_list == [4, 2, 9]
     assert meta.block_tables.tolist() == [[7, 2, 0], [5, 0, 0], [9, 4, 1]]
-    assert meta.num_decode == 2 and meta.decode_token_index.tolist() == [0, 3]
+    assert meta.num_decode == 2 and len(meta.decode_groups) == 1
+    group = meta.decode_groups[0]
+    assert group.rows.tolist() == [0, 3]  # not consecutive: an index tensor
     # decode blocks padded to the longest decode (9 tokens -> 3 blocks of 4)
-    assert meta.decode_block_ids.tolist() == [7, 2, 0, 9, 4, 1]
-    assert meta.decode_mask[:, 0, 0].sum(-1).tolist() == [4, 9]
+    assert group.block_ids.tolist() == [7, 2, 0, 9, 4, 1]
+    assert group.mask[:, 0, 0].sum(-1).tolist() == [4, 9]
     assert len(meta.prefills) == 1 and meta.prefills[0].mask is None  # fresh prompt: causal
     assert (meta.prefills[0].token_start, meta.prefills[0].token_end) == (1, 3)
 
@@ -133,3 +137,23 @@ def test_write_kv_writes_exactly_the_mapped_slots() -> None:
     assert flat_k[5].tolist() == [1, 2, 3] and flat_k[2].tolist() == [4, 5, 6]
     assert flat_k.abs().sum().item() == 21  # nothing else touched
     assert v_cache.view(8, 3)[5].tolist() == [-1, -2, -3]
+
+
+def test_decode_length_groups() -> None:
+    """Similar lengths share one padded call; a few long sequences among many short ones get
+    their own group, and the groups cover every decode exactly once."""
+    block_size = 16
+    same = [100, 101, 110, 120] * 8
+    _, meta = build_attention_metadata(same, [1] * 32, [[0] * 8] * 32, block_size, CPU)
+    assert len(meta.decode_groups) == 1 and meta.decode_groups[0].rows == slice(0, 32)
+
+    ragged = [1000 if i % 8 == 0 else 40 + i for i in range(32)]
+    tables = [[0] * 64] * 32
+    _, meta = build_attention_metadata(ragged, [1] * 32, tables, block_size, CPU)
+    groups = meta.decode_groups
+    assert 2 <= len(groups) <= 4
+    rows = sorted(r for g in groups for r in (range(32)[g.rows] if isinstance(g.rows, slice) else g.rows.tolist()))
+    assert rows == list(range(32))
+    long_group = max(groups, key=lambda g: g.mask.shape[-1])
+    assert long_group.num_seqs == 4 and long_group.mask.shape[-1] == 1008
+    assert sum(g.num_seqs * g.mask.shape[-1] for g in groups) < 32 * 1008 // 3

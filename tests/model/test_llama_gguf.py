@@ -8,8 +8,9 @@ import torch
 from backfill.model.llama import LlamaForCausalLM
 from tests.model.paged_driver import PagedDriver
 
-# Logits are O(10-30); fp32 paths that differ only in op order and fusion agree to ~1e-4.
-LOGITS_ATOL = 1e-3
+# Logits are O(10-30); the two fp32 implementations differ only in op order and fusion
+# (measured max difference ~6e-5 over prefill + 20 decode steps).
+LOGITS_ATOL = 3e-4
 NUM_DECODE_STEPS = 20
 
 
@@ -27,41 +28,61 @@ def test_config_read_from_gguf_metadata(our_model: LlamaForCausalLM) -> None:
 def test_prefill_and_decode_logits_match_transformers(
     our_model: LlamaForCausalLM, hf_model: torch.nn.Module, prompt_ids: list[list[int]]
 ) -> None:
-    """Prefill (in two chunks) then 20 decode steps through our paged cache, with two other
-    sequences sharing the batch; every step's logits are compared with transformers' logits
-    for the same position of the same token sequence."""
+    """Prefill (in two chunks) then 20 greedy decode steps through our paged cache, three
+    sequences sharing every step; then one transformers forward over each final sequence must
+    give the same logits at every position we computed, and the same greedy tokens."""
     prompts = prompt_ids
-    # Reference continuation: transformers' own greedy tokens, then one full forward.
-    ref_tokens = []
-    ref_logits = []
-    for p in prompts:
-        out = hf_model.generate(torch.tensor([p]), max_new_tokens=NUM_DECODE_STEPS, do_sample=False)
-        full = out[0].tolist()
-        ref_tokens.append(full)
-        ref_logits.append(hf_model(torch.tensor([full])).logits[0])  # [len, vocab]
-
     driver = PagedDriver(our_model, num_blocks=64, block_size=16, seed=1)
     names = [f"s{i}" for i in range(len(prompts))]
-    # Step 1: first half of each prompt (chunks). Step 2: the rest (chunked prefill over a cache).
+    # Step 1: first half of each prompt. Step 2: the rest (chunked prefill over a cached prefix).
     halves = [len(p) // 2 for p in prompts]
     driver.step([(n, p[:h]) for n, p, h in zip(names, prompts, halves)])
     logits = driver.step([(n, p[h:]) for n, p, h in zip(names, prompts, halves)])  # [S, vocab]
-    for step in range(NUM_DECODE_STEPS + 1):
-        for i, p in enumerate(prompts):
-            pos = len(p) - 1 + step  # logits row of the token just fed
-            expected = ref_logits[i][pos]
-            err = (logits[i] - expected).abs().max().item()
-            assert err < LOGITS_ATOL, f"seq {i} step {step}: max |ours - hf| = {err}"
-            assert int(logits[i].argmax()) == int(expected.argmax())
-        if step == NUM_DECODE_STEPS:
-            break
-        # All sequences decode together: one batched decode group.
-        logits = driver.step([(n, [ref_tokens[i][len(prompts[i]) + step]]) for i, n in enumerate(names)])
+    ours: list[list[torch.Tensor]] = [[row] for row in logits]
+    sequences = [list(p) for p in prompts]
+    for _ in range(NUM_DECODE_STEPS):  # all sequences decode together: one batched group
+        next_tokens = [int(row[-1].argmax()) for row in ours]
+        for seq, token in zip(sequences, next_tokens):
+            seq.append(token)
+        logits = driver.step([(n, [t]) for n, t in zip(names, next_tokens)])
+        for row, new in zip(ours, logits):
+            row.append(new)
+
+    for i, (p, seq) in enumerate(zip(prompts, sequences)):
+        ref = hf_model(torch.tensor([seq])).logits[0, len(p) - 1 :]  # [1 + steps, vocab]
+        got = torch.stack(ours[i])  # [1 + steps, vocab]
+        err = (got - ref).abs().max().item()
+        assert err < LOGITS_ATOL, f"sequence {i}: max |ours - transformers| = {err}"
+        # greedy choices agree at every step (the next token fed was our argmax)
+        assert got.argmax(-1).tolist() == ref.argmax(-1).tolist()
 
 
 @torch.inference_mode()
-def test_forward_returns_normed_hidden_and_logits_only_for_given_rows(our_model: LlamaForCausalLM) -> None:
+def test_logits_are_float32_one_row_per_sequence(our_model: LlamaForCausalLM) -> None:
     driver = PagedDriver(our_model, num_blocks=8, block_size=16)
     logits = driver.step([("a", [1, 2, 3, 4]), ("b", [5, 6])])
     assert logits.shape == (2, 49152) and logits.dtype == torch.float32
     assert torch.isfinite(logits).all()
+
+
+@torch.inference_mode()
+def test_bfloat16_model_tracks_float32(our_model: LlamaForCausalLM, prompt_ids: list[list[int]]) -> None:
+    """The production dtype: bf16 weights, activations and KV cache stay close to fp32
+    (bf16 keeps ~3 significant digits, so only a loose agreement is expected)."""
+    from backfill.model.loader import load_model
+
+    bf16 = load_model(None, torch.bfloat16, torch.device("cpu"))
+    assert bf16.embed_tokens.weight.dtype == torch.bfloat16
+    rows: dict[str, torch.Tensor] = {}
+    tokens: list[list[int]] = []  # fp32's greedy first tokens, fed to both models
+    for name, model in (("fp32", our_model), ("bf16", bf16)):
+        driver = PagedDriver(model, num_blocks=32, block_size=16, seed=4)
+        first = driver.step([(f"s{i}", p) for i, p in enumerate(prompt_ids)])  # [S, vocab]
+        tokens = tokens or [[int(t)] for t in first.argmax(-1)]
+        second = driver.step([(f"s{i}", t) for i, t in enumerate(tokens)])  # [S, vocab]
+        rows[name] = torch.cat([first, second])  # [2S, vocab]
+        assert rows[name].dtype == torch.float32
+    cos = torch.nn.functional.cosine_similarity(rows["fp32"], rows["bf16"], dim=-1)  # [2S]
+    agree = (rows["fp32"].argmax(-1) == rows["bf16"].argmax(-1)).float().mean().item()
+    assert cos.min().item() > 0.995, cos  # measured >= 0.9997
+    assert agree >= 0.5

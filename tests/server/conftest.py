@@ -21,3 +21,5 @@ def server() -> Iterator[ServerProcess]:
         yield process
     finally:
         process.stop()
+    # Bad input, hang-ups and bursts must all be handled: none may surface as a traceback.
+    assert "Traceback" not in process.log(), process.log()[-4000:]

@@ -17,7 +17,11 @@ API_KEY = "sk-backfill-test"
 MODEL = "SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT_S = 180.0
 # Small KV pools keep three float32 servers' memory modest; they still hold 64 short requests.
-COMMON_ARGS = ["--dtype", "float32", "--num-kv-blocks", "768"]
+# One torch thread: on a small shared machine, two threads that wait on each other's barrier
+# while other processes hold the cores run several times slower than one.
+NUM_KV_BLOCKS = 768
+NUM_THREADS = 1
+COMMON_ARGS = ["--dtype", "float32", "--num-kv-blocks", str(NUM_KV_BLOCKS), "--num-threads", str(NUM_THREADS)]
 
 
 @dataclass
@@ -58,12 +62,21 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_server(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
-    """Start `python -m backfill.entrypoints.openai.api_server` and wait for /health."""
+def start_server(*args: str, env: dict[str, str] | None = None, cli: bool = False,
+                 common_args: list[str] | None = None) -> ServerProcess:
+    """Start the server on a free port and wait for /health.
+
+    By default `python -m backfill.entrypoints.openai.api_server` with COMMON_ARGS; `cli=True`
+    runs the installed `backfill serve` command instead.
+    """
     port = _free_port()
     log = tempfile.NamedTemporaryFile(prefix="backfill-server-", suffix=".log", delete=False)
-    command = [sys.executable, "-m", "backfill.entrypoints.openai.api_server", "--host", "127.0.0.1",
-               "--port", str(port), *COMMON_ARGS, *args]
+    if cli:
+        entry = [os.path.join(os.path.dirname(sys.executable), "backfill"), "serve"]
+    else:
+        entry = [sys.executable, "-m", "backfill.entrypoints.openai.api_server"]
+    common = COMMON_ARGS if common_args is None else common_args
+    command = [*entry, "--host", "127.0.0.1", "--port", str(port), *common, *args]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                env={**os.environ, **(env or {})})
     server = ServerProcess(process, f"http://127.0.0.1:{port}", log.name)

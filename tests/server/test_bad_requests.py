@@ -132,3 +132,10 @@ def test_server_healthy_and_blocks_free_after_bad_requests(server: ServerProcess
     assert wait_until(lambda: engine_idle(server), timeout=5)
     response = httpx.post(server.v1 + "/completions", json=completion(max_tokens=3), headers=AUTH, timeout=60)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_oversized_body_is_refused_before_parsing(server: ServerProcess) -> None:
+    body = b'{"prompt": "' + b"a" * (33 * 1024 * 1024) + b'"}'
+    response = httpx.post(server.v1 + "/completions", content=body, headers=AUTH, timeout=60)
+    assert response.status_code == 413
+    assert response.json()["error"]["type"] == INVALID

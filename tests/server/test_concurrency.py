@@ -10,16 +10,20 @@ import pytest
 
 from backfill.engine.llm import LLM
 from backfill.sampling_params import SamplingParams
-from tests.prompts import make_prompts
-from tests.server.harness import API_KEY, MODEL, ServerProcess, engine_idle, wait_until
+from tests.prompts import TOPICS
+from tests.server.harness import (API_KEY, MODEL, NUM_KV_BLOCKS, NUM_THREADS, ServerProcess, engine_idle,
+                                  wait_until)
 
 NUM_REQUESTS = 64
 
 
 @pytest.fixture(scope="module")
 def workload() -> tuple[list[str], list[int]]:
+    # Short prompts keep prefill cheap on a CPU; lengths mixed from 1 to 32 tokens.
     rng = random.Random(2)
-    return make_prompts(NUM_REQUESTS, seed=2), [rng.randint(1, 40) for _ in range(NUM_REQUESTS)]
+    prompts = [f"{i}. {TOPICS[i % len(TOPICS)]}, in {['one', 'two', 'three'][i % 3]} sentences:"
+               for i in range(NUM_REQUESTS)]
+    return prompts, [rng.randint(1, 32) for _ in range(NUM_REQUESTS)]
 
 
 async def _stream_all(server: ServerProcess, prompts: list[str], max_tokens: list[int]) -> list[dict[str, object]]:
@@ -49,7 +53,7 @@ def test_64_concurrent_streams_equal_offline_generate(server: ServerProcess, wor
     assert wait_until(lambda: engine_idle(server), timeout=5)
     after = server.metrics()
 
-    llm = LLM(dtype="float32", max_num_seqs=32, num_kv_blocks=768)
+    llm = LLM(dtype="float32", max_num_seqs=32, num_kv_blocks=NUM_KV_BLOCKS, num_threads=NUM_THREADS)
     expected = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens])
     for i, (result, offline) in enumerate(zip(results, expected)):
         assert result["text"] == offline.text, f"request {i} differs from LLM.generate"

@@ -1,28 +1,35 @@
-"""Acceptance 6: SIGTERM during 8 streams: they all finish, new requests get 503, exit status 0."""
+"""Acceptance 6: SIGTERM during 8 streams: they all finish, new requests get 503, exit status 0.
+
+A ninth stream that cannot finish within the grace period is cut off at its end with an error
+event (and `[DONE]`), so the process still exits on time.
+"""
 
 from __future__ import annotations
 
 import json
 import signal
 import threading
+import time
 
 import httpx
 
 from tests.server.harness import MODEL, start_server
 
 NUM_STREAMS = 8
-MAX_TOKENS = 96
+MAX_TOKENS = 32
+GRACE_S = 15
 
 
 def test_sigterm_drains_in_flight_streams() -> None:
-    server = start_server("--shutdown-timeout", "120")
+    server = start_server("--shutdown-timeout", str(GRACE_S))
     try:
-        started = [threading.Event() for _ in range(NUM_STREAMS)]
-        events: list[list[str]] = [[] for _ in range(NUM_STREAMS)]
+        limits = [MAX_TOKENS] * NUM_STREAMS + [100_000]  # the last one outlives the grace period
+        started = [threading.Event() for _ in limits]
+        events: list[list[str]] = [[] for _ in limits]
         errors: list[BaseException] = []
 
         def stream(index: int) -> None:
-            body = {"model": MODEL, "prompt": f"Tale {index}: long ago,", "max_tokens": MAX_TOKENS,
+            body = {"model": MODEL, "prompt": f"Tale {index}: long ago,", "max_tokens": limits[index],
                     "ignore_eos": True, "stream": True}
             try:
                 with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=120) as response:
@@ -35,26 +42,31 @@ def test_sigterm_drains_in_flight_streams() -> None:
                 errors.append(error)
                 started[index].set()
 
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(NUM_STREAMS)]
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(limits))]
         for thread in threads:
             thread.start()
         assert all(event.wait(120) for event in started) and not errors, errors
 
         server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
         refused = httpx.post(server.v1 + "/completions", json={"model": MODEL, "prompt": "late"}, timeout=30)
         assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
         assert refused.json()["error"]["code"] == "shutting_down"
         assert httpx.get(server.base_url + "/health", timeout=30).status_code == 503
-        assert any(not e or e[-1] != "[DONE]" for e in events), "streams ended before the 503 check"
+        assert any(e[-1] != "[DONE]" for e in events[:NUM_STREAMS]), "streams ended before the 503 check"
 
         for thread in threads:
             thread.join(120)
         assert not errors, errors
-        for stream_events in events:
+        for stream_events in events[:NUM_STREAMS]:
             assert stream_events[-1] == "[DONE]"
             chunks = [json.loads(e) for e in stream_events[:-1]]
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            assert len(chunks) == MAX_TOKENS
+        cut = events[-1]
+        assert cut[-1] == "[DONE]" and json.loads(cut[-2])["error"]["code"] == "shutting_down"
         assert server.process.wait(timeout=60) == 0
+        assert GRACE_S - 1 < time.monotonic() - signalled < GRACE_S + 30
         assert "Traceback" not in server.log()
     finally:
         server.stop()

@@ -33,14 +33,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backfill.config import DTYPES, POLICIES
 from backfill.engine.async_engine import AsyncEngine, EngineStoppedError
 from backfill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from backfill.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                                  ModelCard, ModelList, parse_request,
-                                                  validation_error_to_api_error)
+from backfill.entrypoints.openai.protocol import (MAX_BODY_BYTES, APIError, ChatCompletionRequest,
+                                                  CompletionRequest, ModelCard, ModelList,
+                                                  parse_request, validation_error_to_api_error)
 from backfill.entrypoints.openai.serving import RETRY_AFTER_S, OpenAIServing, SSEStream
 
 if TYPE_CHECKING:
@@ -121,6 +122,20 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._stream.aclose()
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, refused with 413 past MAX_BODY_BYTES before it is all in memory."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -210,6 +225,10 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
         return error_response(APIError(error.status_code, message, "invalid_request_error", code=code,
                                        headers=dict(error.headers or {})))
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(_: Request, __: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # gone while sending its body: nothing was queued
+
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, error: Exception) -> JSONResponse:
         logger.exception("unhandled error")
@@ -251,12 +270,12 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse_request(CompletionRequest, await request.body())
+        body = parse_request(CompletionRequest, await read_body(request))
         return await respond(request, serving.create_completion(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_request(ChatCompletionRequest, await request.body())
+        body = parse_request(ChatCompletionRequest, await read_body(request))
         return await respond(request, serving.create_chat_completion(body))
 
     return app
@@ -287,6 +306,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -339,7 +359,7 @@ def run_server(args: argparse.Namespace) -> int:
             model=args.model, policy=args.policy, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
             block_size=args.block_size, max_model_len=args.max_model_len, dtype=args.dtype,
-            device=args.device, seed=args.seed)
+            device=args.device, seed=args.seed, num_threads=args.num_threads)
     except ValueError as error:
         logger.error("invalid engine option: %s", error)
         return 2

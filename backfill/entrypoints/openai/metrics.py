@@ -73,6 +73,15 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
         self.queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        # Export every series from the start (at 0), so rates and alerts work before traffic.
+        for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
+                       self.batch_slots_used, self.batch_slots_idle, self.batch_slots_empty,
+                       self.num_preemptions, self.prompt_tokens, self.generation_tokens,
+                       self.request_abort, self.engine_steps, self.slot_steps_used, self.slot_steps_idle,
+                       self.ttft, self.itl, self.e2e, self.queue_time):
+            metric.labels(**self._labels())
+        for reason in ("stop", "length"):
+            self.request_success.labels(finished_reason=reason, **self._labels())
         self._last_token_time: dict[str, float] = {}  # request id -> last token time seen
         self._num_preemptions_seen = 0
 

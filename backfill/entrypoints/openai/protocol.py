@@ -3,10 +3,10 @@
 Requests are parsed strictly from JSON (`"max_tokens": "10"` or `true` is a 400, as at OpenAI).
 Unknown fields are ignored, as OpenAI ignores fields it does not know, except fields that would
 change the result and that we do not support: those are declared here and rejected with a 400
-naming them (`tools`, `functions`, `response_format` other than text, `suffix`, `best_of` other
-than `n`, `echo` together with `logprobs`, non-text message parts, `tool`/`function` messages,
-`audio` output). A client that relies on them learns it at once instead of getting a silently
-different answer.
+naming them (`tools`, `functions`, `tool_calls`, `tool_choice` that forces a tool,
+`response_format` other than text, `suffix`, `best_of` other than `n`, `echo` together with
+`logprobs`, non-text message parts, `tool`/`function` messages, `modalities` other than text).
+A client that relies on them learns it at once instead of getting a silently different answer.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    tool_choice: Literal["none"] | None = None
+    tool_choice: Literal["none", "auto"] | None = None  # with no tools, both mean "answer in text"
     modalities: list[Literal["text"]] | None = None
 
     def check(self) -> None:

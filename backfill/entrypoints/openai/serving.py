@@ -11,15 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from backfill.core.outputs import TokenLogprobs
 from backfill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineStoppedError,
                                           QueueFullError, RequestStream)
 from backfill.entrypoints.openai.protocol import (
@@ -27,6 +27,7 @@ from backfill.entrypoints.openai.protocol import (
     ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, SamplingFields, TokenLogprob, TopLogprob, UsageInfo,
     bad_request)
+from backfill.entrypoints.openai.token_text import TokenText
 from backfill.outputs import CompletionOutput, RequestOutput
 from backfill.sampling_params import SamplingParams
 
@@ -35,59 +36,6 @@ if TYPE_CHECKING:
 
 RETRY_AFTER_S = 1
 LONG_TEXT_CHARS = 20_000  # longer texts are tokenized in a worker thread, off the event loop
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, reversed: the character standing for each byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
-    chars = list(printable)
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
-
-
-_BYTE_DECODER = _byte_decoder()
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback pieces
-
-
-class TokenText:
-    """How logprobs show a token: its text, and its raw bytes (cached by token id).
-
-    A token holding part of a UTF-8 character has no text of its own; like OpenAI, it is shown
-    as `bytes:\\xNN...`, and `bytes` carries the exact bytes so clients can join them.
-    """
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
-        entry = self._cache.get(token_id)
-        if entry is None:
-            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
-            piece = self._tokenizer.convert_ids_to_tokens([token_id])[0] or ""
-            match = _BYTE_TOKEN.fullmatch(piece)
-            if match:
-                raw = bytes([int(match.group(1), 16)])
-            elif piece and all(ch in _BYTE_DECODER for ch in piece):
-                raw = bytes(_BYTE_DECODER[ch] for ch in piece)
-            else:
-                raw = text.encode("utf-8")
-            if "\ufffd" in text and "\ufffd".encode() not in raw:
-                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-            entry = self._cache[token_id] = (text, list(raw))
-        return entry
-
-    def text(self, token_id: int) -> str:
-        return self._lookup(token_id)[0]
-
-    def token_bytes(self, token_id: int) -> list[int]:
-        return self._lookup(token_id)[1]
 
 
 @dataclass
@@ -150,7 +98,7 @@ class SSEStream:
             await self._lines.aclose()
 
 
-async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Outputs of several streams as they come, tagged with the stream's position."""
     if len(streams) == 1:
         async for output in streams[0]:
@@ -231,28 +179,32 @@ class OpenAIServing:
     def _check_prompt(self, token_ids: list[int], param: str) -> None:
         if not token_ids:
             raise bad_request(f"{param}: the prompt encodes to no tokens", param)
-        if any(not 0 <= t < self.vocab_size for t in token_ids):
-            raise bad_request(f"{param}: token ids must be in [0, {self.vocab_size})", param)
         if len(token_ids) >= self.max_model_len:
             raise bad_request(
                 f"{param}: this model's maximum context length is {self.max_model_len} tokens, "
                 f"and the prompt has {len(token_ids)} tokens", param, "context_length_exceeded")
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise bad_request(f"{param}: token ids must be in [0, {self.vocab_size})", param)
 
     async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
                       renames: dict[str, str]) -> list[RequestStream]:
-        """Queue every prompt; on any failure, abort the ones already queued and raise."""
-        streams: list[RequestStream] = []
+        """Queue every prompt at once; if any is refused, abort the others and raise.
+
+        Cancelling the caller cancels every `add_request`, each of which aborts its request.
+        """
         arrival = time.monotonic()
-        try:
-            for i, prompt in enumerate(prompts):
-                sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(sub_id, prompt.token_ids, params, arrival))
-        except BaseException as error:
+        results = await asyncio.gather(*(
+            self.engine.add_request(request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                                    prompt.token_ids, params, arrival)
+            for i, prompt in enumerate(prompts)), return_exceptions=True)
+        streams = [result for result in results if isinstance(result, RequestStream)]
+        errors = [result for result in results if isinstance(result, BaseException)]
+        if errors:
             for stream in streams:
                 stream.close()
-            if isinstance(error, Exception):
-                raise engine_error(error, renames) from None
-            raise
+            if isinstance(errors[0], Exception):
+                raise engine_error(errors[0], renames) from None
+            raise errors[0]
         return streams
 
     # ---- /v1/completions ---------------------------------------------------------------
@@ -286,8 +238,8 @@ class OpenAIServing:
             return SSEStream(lines, streams)
         return await self._completion_full(request_id, created, streams, prompts, params, bool(request.echo))
 
-    def _completion_logprobs(self, completion: CompletionOutput | None, deltas: Sequence[Any],
-                             num_top: int, offset: int) -> tuple[CompletionLogprobs, int]:
+    def _completion_logprobs(self, deltas: Sequence[TokenLogprobs], num_top: int,
+                             offset: int) -> tuple[CompletionLogprobs, int]:
         result = CompletionLogprobs()
         for entry in deltas:
             text = self.token_text.text(entry.token_id)
@@ -309,7 +261,7 @@ class OpenAIServing:
             prefix = (prompts[i].text or "") if echo else ""
             lp = None
             if params.logprobs is not None:
-                lp, _ = self._completion_logprobs(completion, logprobs[(i, k)], params.logprobs, len(prefix))
+                lp, _ = self._completion_logprobs(logprobs[(i, k)], params.logprobs, len(prefix))
             choices.append(CompletionChoice(index=i * params.n + k, text=prefix + completion.text, logprobs=lp,
                                             finish_reason=completion.finish_reason))
             num_completion += len(completion.token_ids)
@@ -334,16 +286,17 @@ class OpenAIServing:
                     for k in range(params.n):
                         offsets[i * params.n + k] = len(prompt.text or "")
                         yield chunk(i * params.n + k, prompt.text or "")
-            async for i, output in merge_streams(streams):
-                for completion in output.outputs:
-                    index = i * params.n + completion.index
-                    num_tokens[index] = len(completion.token_ids)
-                    lp = None
-                    if params.logprobs is not None:
-                        lp, offsets[index] = self._completion_logprobs(
-                            completion, completion.delta_logprobs or [], params.logprobs, offsets.get(index, 0))
-                    if completion.delta_text or completion.finish_reason or (lp and lp.tokens):
-                        yield chunk(index, completion.delta_text, lp, completion.finish_reason)
+            async with contextlib.aclosing(merge_streams(streams)) as outputs:
+                async for i, output in outputs:
+                    for completion in output.outputs:
+                        index = i * params.n + completion.index
+                        num_tokens[index] = len(completion.token_ids)
+                        lp = None
+                        if params.logprobs is not None:
+                            lp, offsets[index] = self._completion_logprobs(
+                                completion.delta_logprobs or [], params.logprobs, offsets.get(index, 0))
+                        if completion.delta_text or completion.finish_reason or (lp and lp.tokens):
+                            yield chunk(index, completion.delta_text, lp, completion.finish_reason)
             if include_usage:
                 usage = self._usage(prompts, sum(num_tokens.values()))
                 yield sse(CompletionResponse(id=request_id, created=created, model=self.served_model_name,
@@ -396,7 +349,7 @@ class OpenAIServing:
         return ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name,
                                       choices=choices, usage=usage)
 
-    def _chat_logprobs(self, deltas: Sequence[Any], num_top: int) -> ChatLogprobs:
+    def _chat_logprobs(self, deltas: Sequence[TokenLogprobs], num_top: int) -> ChatLogprobs:
         content = []
         for entry in deltas:
             top = [TopLogprob(token=self.token_text.text(t), logprob=lp, bytes=self.token_text.token_bytes(t))
@@ -441,15 +394,16 @@ class OpenAIServing:
     # ---- helpers -----------------------------------------------------------------------
 
     async def _collect(self, streams: list[RequestStream]) -> tuple[
-            dict[tuple[int, int], CompletionOutput], dict[tuple[int, int], list[Any]]]:
+            dict[tuple[int, int], CompletionOutput], dict[tuple[int, int], list[TokenLogprobs]]]:
         """Run streams to the end: the last output of every completion and all its logprobs."""
         finals: dict[tuple[int, int], CompletionOutput] = {}
-        logprobs: dict[tuple[int, int], list[Any]] = {}
+        logprobs: dict[tuple[int, int], list[TokenLogprobs]] = {}
         try:
-            async for i, output in merge_streams(streams):
-                for completion in output.outputs:
-                    finals[(i, completion.index)] = completion
-                    logprobs.setdefault((i, completion.index), []).extend(completion.delta_logprobs or [])
+            async with contextlib.aclosing(merge_streams(streams)) as outputs:
+                async for i, output in outputs:
+                    for completion in output.outputs:
+                        finals[(i, completion.index)] = completion
+                        logprobs.setdefault((i, completion.index), []).extend(completion.delta_logprobs or [])
         except (EngineStoppedError, EngineDeadError) as error:
             raise engine_error(error) from None
         finally:

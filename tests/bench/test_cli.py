@@ -1,0 +1,48 @@
+"""`backfill bench workload` and `backfill bench roofline` end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from backfill.bench.workloads import load_workload
+
+
+def _bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "backfill.bench.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_workload_command(tmp_path: Path) -> None:
+    out = tmp_path / "w.jsonl"
+    proc = _bench("workload", "-o", str(out), "--num-requests", "10", "--short-share", "0.3",
+                  "--arrival", "gamma", "--arrival-rate", "5", "--arrival-burstiness", "0.5", "--seed", "4")
+    assert proc.returncode == 0, proc.stderr
+    requests = load_workload(out)
+    assert len(requests) == 10 and sum(r.max_tokens <= 8 for r in requests) == 3
+    assert requests[0].arrival_time == 0.0 and requests[-1].arrival_s > 0
+    assert json.loads(proc.stdout)["num_requests"] == 10
+    again = tmp_path / "again.jsonl"
+    assert _bench("workload", "-o", str(again), "--num-requests", "10", "--short-share", "0.3", "--arrival", "gamma",
+                  "--arrival-rate", "5", "--arrival-burstiness", "0.5", "--seed", "4").returncode == 0
+    assert again.read_text() == out.read_text()
+
+
+def test_bad_input_is_a_clean_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n')
+    proc = _bench("serve", "--base-url", "http://127.0.0.1:9", "--workload", str(bad))
+    assert proc.returncode == 2 and "max_tokens" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_roofline_command_with_measured_steps(tmp_path: Path) -> None:
+    out = tmp_path / "roofline.json"
+    proc = _bench("roofline", "--batch-sizes", "1", "2", "--context-len", "16", "--measure-steps", "2",
+                  "--dtype", "float32", "--buffer-mb", "128", "--result-file", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["batch_size"] for r in data["rows"]] == [1, 2]
+    assert all(r["measured_ms"] > 0 and r["ideal_ms"] > 0 for r in data["rows"])
+    assert data["machine"]["read_gbps"] > 0 and data["machine"]["matmul_gflops"]["float32"] > 0
+    assert "| batch | context | ideal step (ms) |" in proc.stdout and data["host"]["num_cpus"] >= 1

