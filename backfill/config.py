@@ -26,7 +26,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's own context length
-    dtype: str = "auto"  # auto: bfloat16 (the fast dtype on modern CPUs and GPUs)
+    dtype: str = "auto"  # auto: bfloat16 where the device computes it natively, else float32
     device: str = "cpu"
     seed: int = 0  # seeds the unseeded sampling stream, so a whole run is reproducible
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default

@@ -70,6 +70,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="auto")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-model-len", type=int, default=1024, help="context cap (bounds the KV pool)")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch CPU threads for every system (default: torch's choice, usually all cores)")
 
 
 def add_bench_subparser(subparsers: Any) -> None:
@@ -218,6 +220,14 @@ def _rate_name(rate: float | None) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
+def _set_threads(args: argparse.Namespace) -> None:
+    """One thread count for every system in the run (the engine, transformers, the roofline)."""
+    if args.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+
+
 def _measure_roofline(args: argparse.Namespace) -> tuple[Any, Any] | None:
     if getattr(args, "no_roofline", False):
         return None
@@ -235,7 +245,7 @@ def _cmd_offline(args: argparse.Namespace) -> int:
     return _run_comparison(args, CompareConfig(
         model=args.model, dtype=args.dtype, device=args.device, batch_size=args.max_num_seqs, repeats=args.repeats,
         systems=policies, max_model_len=args.max_model_len, price_per_hour=args.price_per_hour,
-        show_progress=not args.no_progress), "offline")
+        num_threads=args.num_threads, show_progress=not args.no_progress), "offline")
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -244,7 +254,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return _run_comparison(args, CompareConfig(
         model=args.model, dtype=args.dtype, device=args.device, batch_size=args.batch_size, repeats=args.repeats,
         systems=tuple(args.systems), max_model_len=args.max_model_len, price_per_hour=args.price_per_hour,
-        show_progress=not args.no_progress), "compare")
+        num_threads=args.num_threads, show_progress=not args.no_progress), "compare")
 
 
 def _run_comparison(args: argparse.Namespace, config: CompareConfig, stem: str) -> int:
@@ -253,6 +263,7 @@ def _run_comparison(args: argparse.Namespace, config: CompareConfig, stem: str) 
     from backfill.bench.offline import format_step_roofline
 
     requests = _workload_from_args(args)
+    _set_threads(args)
     roofline = _measure_roofline(args)
     machine, shape = roofline if roofline else (None, None)
     report, first_runs = run_compare(requests, config, machine, shape)
@@ -285,6 +296,7 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
     from backfill.bench.roofline import (decode_roofline, describe_host, format_machine, format_roofline_table,
                                          load_model_shape, measure_machine, resolve_dtype)
 
+    _set_threads(args)
     machine = measure_machine(args.device, buffer_mb=args.buffer_mb)
     shape = load_model_shape(args.model)
     print(format_machine(machine))
@@ -294,7 +306,8 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
         from backfill.bench.offline import make_engine, measure_decode_step, warm_up
 
         max_len = max(args.max_model_len, args.context_len + args.measure_steps + 8)
-        engine = make_engine(args.model, "continuous", max(args.batch_sizes), args.dtype, args.device, max_len)
+        engine = make_engine(args.model, "continuous", max(args.batch_sizes), args.dtype, args.device, max_len,
+                             num_threads=args.num_threads)
         warm_up(engine)
         for batch in args.batch_sizes:
             measured[batch] = measure_decode_step(engine, batch, args.context_len, args.measure_steps)

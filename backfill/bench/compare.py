@@ -51,6 +51,7 @@ class CompareConfig:
     systems: tuple[str, ...] = SYSTEMS
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     price_per_hour: float | None = None
+    num_threads: int | None = None  # torch CPU threads for every system; None: torch's default
     show_progress: bool = True
 
     def __post_init__(self) -> None:
@@ -116,7 +117,8 @@ def run_compare(
     for policy in ("continuous", "static"):
         if policy not in config.systems:
             continue
-        engine = make_engine(config.model, policy, config.batch_size, config.dtype, config.device, config.max_model_len)
+        engine = make_engine(config.model, policy, config.batch_size, config.dtype, config.device, config.max_model_len,
+                             num_threads=config.num_threads)
         if tokenized is None:
             tokenized = tokenize_workload(requests, lambda text: engine.tokenizer.encode(text, add_special_tokens=True))
         warm_up(engine)
@@ -135,6 +137,10 @@ def run_compare(
     if "hf" in config.systems:
         from backfill.bench.hf_baseline import load_hf_model, pad_token_id, run_hf_static
 
+        if config.num_threads is not None:
+            import torch
+
+            torch.set_num_threads(config.num_threads)
         hf_model, tokenizer = load_hf_model(config.model, config.dtype, config.device)
         if tokenized is None:
             tokenized = tokenize_workload(requests, lambda text: tokenizer.encode(text))
@@ -212,6 +218,6 @@ def format_compare(report: dict[str, Any]) -> str:
             )
     host = report.get("host") or {}
     lines.append(f"(medians over {report['config']['repeats']} repeat(s), dtype {report['config']['dtype']}, "
-                 f"batch size {report['config']['batch_size']}; {host.get('cpu', '?')}, {host.get('num_cpus', '?')} CPUs, "
+                 f"batch size {report['config']['batch_size']}, {report['config'].get('num_threads')} thread(s); {host.get('cpu', '?')}, {host.get('num_cpus', '?')} CPUs, "
                  f"load average {host.get('load_average_1m', '?')} before / {host.get('load_average_1m_after', '?')} after)")
     return "\n".join(lines)

@@ -49,6 +49,7 @@ def make_engine(
     max_model_len: int | None = DEFAULT_MAX_MODEL_LEN,
     max_num_batched_tokens: int = 2048,
     seed: int = 0,
+    num_threads: int | None = None,
 ) -> LLMEngine:
     from backfill.config import EngineConfig
     from backfill.engine.llm_engine import LLMEngine
@@ -62,6 +63,7 @@ def make_engine(
         device=device,
         max_model_len=max_model_len,
         seed=seed,
+        num_threads=num_threads,
     )
     return LLMEngine(config)
 

@@ -46,12 +46,18 @@ class EngineDeadError(Exception):
 class SyncEngine(Protocol):
     """What AsyncEngine needs from `LLMEngine` (a fake with these members serves tests)."""
 
-    num_running: int
-    num_waiting: int
-    num_kv_blocks_used: int
-    num_kv_blocks_total: int
-    num_preemptions_total: int
     last_step_stats: StepStats | None
+
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_kv_blocks_used(self) -> int: ...
+    @property
+    def num_kv_blocks_total(self) -> int: ...
+    @property
+    def num_preemptions_total(self) -> int: ...
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> None: ...

@@ -87,7 +87,7 @@ class LLMEngine:
         self._sequences: dict[str, _Sequence] = {}  # by the scheduler's request id
         self._num_steps = 0
         self.last_step_stats: StepStats | None = None
-        self._vocab_size = self.runner.model_config.vocab_size
+        self.vocab_size = self.runner.model_config.vocab_size
         self._eos_token_ids = tuple(
             dict.fromkeys(self.runner.model_config.eos_token_ids + self.tokenizer.eos_token_ids)
         )
@@ -108,8 +108,8 @@ class LLMEngine:
         prompt_text, prompt_token_ids = self._encode_prompt(prompt)
         self._check_lengths(prompt_token_ids, params)
         for token_id in params.logit_bias or {}:
-            if token_id >= self._vocab_size:
-                raise ValueError(f"logit_bias: token id {token_id} is outside the vocabulary [0, {self._vocab_size})")
+            if token_id >= self.vocab_size:
+                raise ValueError(f"logit_bias: token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
         group = _Group(request_id, prompt_text, prompt_token_ids, arrival_time or time.monotonic())
         for index in range(params.n):
             seq_params = params
@@ -146,8 +146,8 @@ class LLMEngine:
         for token_id in prompt:
             if isinstance(token_id, bool) or not isinstance(token_id, int):
                 raise ValueError(f"prompt: token ids must be integers, got {token_id!r}")
-            if not 0 <= token_id < self._vocab_size:
-                raise ValueError(f"prompt: token id {token_id} is outside the vocabulary [0, {self._vocab_size})")
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"prompt: token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
         return None, list(prompt)
 
     def _check_lengths(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -115,23 +115,30 @@ def build_attention_metadata(
     query_start = [0]
     for q in query_lens:
         query_start.append(query_start[-1] + q)
-    positions: list[int] = []
-    slots: list[int] = []
-    for nc, seq_len, table in zip(num_computed_tokens, seq_lens, block_tables):
-        for p in range(nc, seq_len):
-            positions.append(p)
-            slots.append(table[p // block_size] * block_size + p % block_size)
+    num_tokens = query_start[-1]
     max_blocks = max(len(t) for t in block_tables)
     padded_tables = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+
+    # Positions and slots are computed vectorized on the host (a Python loop over the tokens
+    # took ~10 ms for a 2k-token step), then moved to the device in one copy each.
+    cpu_tables = torch.tensor(padded_tables, dtype=torch.int64)  # [S, max_blocks]
+    cpu_query_start = torch.tensor(query_start, dtype=torch.int64)  # [S + 1]
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(num_seqs), torch.tensor(query_lens), output_size=num_tokens
+    )  # [T]
+    offset = torch.tensor(num_computed_tokens, dtype=torch.int64) - cpu_query_start[:-1]  # [S]
+    cpu_positions = torch.arange(num_tokens, dtype=torch.int64) + offset[seq_of_token]  # [T]
+    block_of_token = cpu_tables[seq_of_token, cpu_positions // block_size]  # [T]
+    cpu_slots = block_of_token * block_size + cpu_positions % block_size  # [T]
 
     def as_tensor(values: list[int] | list[list[int]]) -> Tensor:
         return torch.tensor(values, dtype=torch.int64).to(device)
 
     meta = AttentionMetadata(
-        slot_mapping=as_tensor(slots),  # [T]
-        block_tables=as_tensor(padded_tables),  # [S, max_blocks]
+        slot_mapping=cpu_slots.to(device),  # [T]
+        block_tables=cpu_tables.to(device),  # [S, max_blocks]
         seq_lens=as_tensor(seq_lens),  # [S]
-        query_start=as_tensor(query_start),  # [S + 1]
+        query_start=cpu_query_start.to(device),  # [S + 1]
         query_lens_list=list(query_lens),
         seq_lens_list=seq_lens,
         block_size=block_size,
@@ -142,7 +149,7 @@ def build_attention_metadata(
     for group in _group_by_length(decode_seqs, seq_lens, block_size):
         rows = [query_start[i] for i in group]
         group_blocks = (max(seq_lens[i] for i in group) + block_size - 1) // block_size
-        ids = [(block_tables[i] + [0] * group_blocks)[:group_blocks] for i in group]
+        ids = cpu_tables[torch.tensor(group), :group_blocks]  # [n, group_blocks], 0-padded
         kv_pos = torch.arange(group_blocks * block_size, device=device)  # [L_pad]
         lens = as_tensor([seq_lens[i] for i in group])  # [n]
         meta.decode_groups.append(
@@ -153,7 +160,7 @@ def build_attention_metadata(
                     if rows[-1] - rows[0] == len(rows) - 1
                     else as_tensor(rows)  # [n]
                 ),
-                block_ids=as_tensor(ids).view(-1),  # [n * group_blocks]
+                block_ids=ids.reshape(-1).to(device),  # [n * group_blocks]
                 mask=(kv_pos[None, :] < lens[:, None])[:, None, None, :],  # [n, 1, 1, L_pad]
             )
         )
@@ -177,7 +184,7 @@ def build_attention_metadata(
                 mask=mask,
             )
         )
-    return as_tensor(positions), meta  # positions: [T]
+    return cpu_positions.to(device), meta  # positions: [T]
 
 
 def _group_by_length(seqs: list[int], seq_lens: list[int], block_size: int) -> list[list[int]]:
@@ -248,8 +255,10 @@ def paged_attention(
 
     for span in meta.prefills:
         num_q = span.token_end - span.token_start
-        k = _gather_blocks(k_cache, span.block_ids, meta.workspace, "k").view(-1, num_kv_heads, head_dim)  # [nb*bs, Hkv, D]
-        v = _gather_blocks(v_cache, span.block_ids, meta.workspace, "v").view(-1, num_kv_heads, head_dim)  # [nb*bs, Hkv, D]
+        k = _gather_blocks(k_cache, span.block_ids, meta.workspace, "k")  # [nb, bs, Hkv, D]
+        v = _gather_blocks(v_cache, span.block_ids, meta.workspace, "v")  # [nb, bs, Hkv, D]
+        k = k.view(-1, num_kv_heads, head_dim)  # [nb * bs, Hkv, D]
+        v = v.view(-1, num_kv_heads, head_dim)  # [nb * bs, Hkv, D]
         # G query heads per KV head; K/V broadcast over G with a zero stride (no copy).
         k = k[: span.kv_len].permute(1, 0, 2)[:, None].expand(-1, group, -1, -1)  # [Hkv, G, L, D]
         v = v[: span.kv_len].permute(1, 0, 2)[:, None].expand(-1, group, -1, -1)  # [Hkv, G, L, D]

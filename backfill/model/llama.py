@@ -16,6 +16,9 @@ from backfill.model.attention import AttentionMetadata, paged_attention, write_k
 from backfill.model.config import ModelConfig
 from backfill.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
 
+# Logits per row recomputed with fp32 sums when the model runs in bf16/fp16 (see compute_logits).
+LOGITS_REFINE_TOP_K = 8
+
 
 class VocabEmbedding(nn.Module):
     """Token id -> row of `weight`.
@@ -62,7 +65,8 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
         qk_size = self.q_size + self.kv_size
-        qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)  # [T, H + Hkv, D]
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, :qk_size].view(num_tokens, num_qk_heads, self.head_dim)  # [T, H + Hkv, D]
         qk = apply_rope(qk, cos, signed_sin)  # [T, H + Hkv, D], q and k rotated in one pass
         q = qk[:, : self.num_heads]  # [T, H, D]
         k = qk[:, self.num_heads :]  # [T, Hkv, D]
@@ -137,9 +141,22 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)  # [T, hidden]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [S, hidden] (rows already selected) -> logits [S, vocab] float32."""
+        """hidden [S, hidden] (rows already selected) -> logits [S, vocab] float32.
+
+        In bf16/fp16 the LM head matmul rounds its fp32 sums to the model dtype: at a logit of
+        25 a bf16 step is 0.125, enough to turn a 0.08 lead into a tie (SmolLM2 answering
+        "What is the capital of France?" starts with "The" in fp32 and "L" in bf16). The top
+        LOGITS_REFINE_TOP_K logits of each row are therefore recomputed from the same inputs
+        with fp32 sums, so greedy choices and the head of the sampling distribution are exact.
+        """
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [vocab, hidden]
-        return F.linear(hidden, weight).float()  # [S, vocab]
+        logits = F.linear(hidden, weight).float()  # [S, vocab]
+        if hidden.dtype in (torch.bfloat16, torch.float16):
+            top = logits.topk(LOGITS_REFINE_TOP_K, dim=-1).indices  # [S, K]
+            rows = weight[top].float()  # [S, K, hidden]
+            exact = torch.bmm(rows, hidden.float()[:, :, None])[:, :, 0]  # [S, K]
+            logits.scatter_(1, top, exact)
+        return logits
 
     def make_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[Tensor, Tensor]]:
         """Zeroed per-layer (k_cache, v_cache) pairs, [num_blocks, block_size, Hkv, D] each, in

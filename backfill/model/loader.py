@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import math
-import mmap
-import struct
 import importlib.util
 import json
 import logging
+import math
+import mmap
 import os
 import re
+import struct
 import time
 from dataclasses import dataclass
 
@@ -89,11 +89,10 @@ def preferred_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device.type == "cpu":
-        cpu = getattr(torch, "cpu", None)
-        checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-        if any(getattr(cpu, name, lambda: False)() for name in checks):
-            return torch.bfloat16
-        return torch.float32
+        # private torch probes (torch >= 2.3); absent ones count as "no native bf16"
+        names = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        probes = [getattr(torch.cpu, name, None) for name in names]
+        return torch.bfloat16 if any(probe is not None and probe() for probe in probes) else torch.float32
     return torch.float32
 
 
@@ -197,6 +196,8 @@ _GGUF_TOP_NAMES = {
     "output_norm.weight": "norm.weight",
     "output.weight": "lm_head.weight",
 }
+
+
 @dataclass
 class _GGUFTensorInfo:
     name: str
@@ -228,7 +229,8 @@ class _GGUFFile:
         self.metadata: dict[str, object] = {}
         for _ in range(num_kv):
             key, off = self._string(off)
-            (vtype,), off = struct.unpack_from("<I", self._map, off), off + 4
+            (vtype,) = struct.unpack_from("<I", self._map, off)
+            off += 4
             keep = not (vtype == self._ARRAY and key.startswith(skip_arrays))
             value, off = self._value(off, vtype, keep)
             if keep:

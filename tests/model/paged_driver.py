@@ -52,6 +52,7 @@ class PagedDriver:
             self.num_computed[request_id] += len(token_ids)
         return self.model.compute_logits(hidden[last_rows])  # [S, vocab]
 
+    @torch.inference_mode()
     def greedy(
         self,
         prompts: list[list[int]],

@@ -56,7 +56,9 @@ CASES = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 16, 5)])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 16, 5)]
+)
 def test_paged_matches_naive(
     dtype: torch.dtype, case: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> None:
@@ -152,7 +154,9 @@ def test_decode_length_groups() -> None:
     _, meta = build_attention_metadata(ragged, [1] * 32, tables, block_size, CPU)
     groups = meta.decode_groups
     assert 2 <= len(groups) <= 4
-    rows = sorted(r for g in groups for r in (range(32)[g.rows] if isinstance(g.rows, slice) else g.rows.tolist()))
+    rows = sorted(
+        r for g in groups for r in (range(32)[g.rows] if isinstance(g.rows, slice) else g.rows.tolist())
+    )
     assert rows == list(range(32))
     long_group = max(groups, key=lambda g: g.mask.shape[-1])
     assert long_group.num_seqs == 4 and long_group.mask.shape[-1] == 1008

@@ -3,9 +3,12 @@ file (its GGUF loader dequantizes and un-permutes independently of ours), float3
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from backfill.model.llama import LlamaForCausalLM
+from backfill.model.loader import load_model
+from backfill.model.tokenizer import Tokenizer
 from tests.model.paged_driver import PagedDriver
 
 # Logits are O(10-30); the two fp32 implementations differ only in op order and fusion
@@ -65,17 +68,21 @@ def test_logits_are_float32_one_row_per_sequence(our_model: LlamaForCausalLM) ->
     assert torch.isfinite(logits).all()
 
 
+@pytest.fixture(scope="module")
+def bf16_model() -> LlamaForCausalLM:
+    return load_model(None, torch.bfloat16, torch.device("cpu"))
+
+
 @torch.inference_mode()
-def test_bfloat16_model_tracks_float32(our_model: LlamaForCausalLM, prompt_ids: list[list[int]]) -> None:
+def test_bfloat16_model_tracks_float32(
+    our_model: LlamaForCausalLM, bf16_model: LlamaForCausalLM, prompt_ids: list[list[int]]
+) -> None:
     """The production dtype: bf16 weights, activations and KV cache stay close to fp32
     (bf16 keeps ~3 significant digits, so only a loose agreement is expected)."""
-    from backfill.model.loader import load_model
-
-    bf16 = load_model(None, torch.bfloat16, torch.device("cpu"))
-    assert bf16.embed_tokens.weight.dtype == torch.bfloat16
+    assert bf16_model.embed_tokens.weight.dtype == torch.bfloat16
     rows: dict[str, torch.Tensor] = {}
     tokens: list[list[int]] = []  # fp32's greedy first tokens, fed to both models
-    for name, model in (("fp32", our_model), ("bf16", bf16)):
+    for name, model in (("fp32", our_model), ("bf16", bf16_model)):
         driver = PagedDriver(model, num_blocks=32, block_size=16, seed=4)
         first = driver.step([(f"s{i}", p) for i, p in enumerate(prompt_ids)])  # [S, vocab]
         tokens = tokens or [[int(t)] for t in first.argmax(-1)]
@@ -86,3 +93,20 @@ def test_bfloat16_model_tracks_float32(our_model: LlamaForCausalLM, prompt_ids: 
     agree = (rows["fp32"].argmax(-1) == rows["bf16"].argmax(-1)).float().mean().item()
     assert cos.min().item() > 0.995, cos  # measured >= 0.9997
     assert agree >= 0.5
+
+
+@torch.inference_mode()
+def test_bfloat16_top_logits_use_fp32_sums(bf16_model: LlamaForCausalLM, tokenizer: Tokenizer) -> None:
+    """bf16 logits near 25 are 0.125 apart; the top candidates are recomputed with fp32 sums,
+    so a 0.05 lead survives. Regression: this prompt's first token is a near-tie
+    ("The" 25.51 vs "L" 25.46 from bf16 hidden states) that bf16 rounding turned into "L"."""
+    hidden = torch.randn(4, 576, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    logits = bf16_model.compute_logits(hidden)  # [4, vocab]
+    exact = hidden.float() @ bf16_model.embed_tokens.weight.float().t()  # [4, vocab]
+    top = exact.topk(4, dim=-1).indices  # [4, 4]
+    torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), atol=1e-3, rtol=0)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    answer = PagedDriver(bf16_model, num_blocks=8, block_size=16).greedy([tokenizer.encode(chat)], 6)[0]
+    assert tokenizer.decode(answer).startswith("The capital of France is Paris")

@@ -21,7 +21,12 @@ def test_special_ids(tokenizer: Tokenizer) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["Hello world", "  leading spaces and\ttabs\nnewlines", "Ünïcödé — émojis 🚀🤖 and 中文", "def f(x):\n    return x**2"],
+    [
+        "Hello world",
+        "  leading spaces and\ttabs\nnewlines",
+        "Ünïcödé — émojis 🚀🤖 and 中文",
+        "def f(x):\n    return x**2",
+    ],
 )
 def test_encode_decode_round_trip(tokenizer: Tokenizer, text: str) -> None:
     ids = tokenizer.encode(text)
@@ -54,7 +59,8 @@ def test_chat_template_equals_transformers_and_chatml(tokenizer: Tokenizer) -> N
     no_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
     assert text == no_prompt + "<|im_start|>assistant\n"
     with_system = tokenizer.apply_chat_template([{"role": "system", "content": "Be terse."}, messages[0]])
-    assert with_system.startswith("<|im_start|>system\nBe terse.<|im_end|>\n") and SMOLLM2_SYSTEM not in with_system
+    assert with_system.startswith("<|im_start|>system\nBe terse.<|im_end|>\n")
+    assert SMOLLM2_SYSTEM not in with_system
 
 
 @pytest.mark.parametrize(

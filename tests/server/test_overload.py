@@ -13,11 +13,14 @@ from tests.server.harness import MODEL, ServerProcess, engine_idle, start_server
 
 BURST = 64
 MAX_TOKENS = 8
+ENV_KEY = "sk-from-the-environment"
+AUTH = {"Authorization": f"Bearer {ENV_KEY}"}
 
 
 @pytest.fixture(scope="module")
 def small_server() -> Iterator[ServerProcess]:
-    process = start_server("--max-queue", "4", "--max-num-seqs", "4")
+    # The key comes from BACKFILL_API_KEY here (the other servers take --api-key).
+    process = start_server("--max-queue", "4", "--max-num-seqs", "4", env={"BACKFILL_API_KEY": ENV_KEY})
     try:
         yield process
     finally:
@@ -27,7 +30,7 @@ def small_server() -> Iterator[ServerProcess]:
 async def _one(client: httpx.AsyncClient, server: ServerProcess, index: int) -> tuple[int, dict[str, str], object]:
     body = {"model": MODEL, "prompt": f"Request {index}: the weather today is", "max_tokens": MAX_TOKENS,
             "ignore_eos": True, "stream": index % 2 == 1}
-    async with client.stream("POST", server.v1 + "/completions", json=body) as response:
+    async with client.stream("POST", server.v1 + "/completions", json=body, headers=AUTH) as response:
         raw = (await response.aread()).decode()
     if response.status_code != 200:
         return response.status_code, dict(response.headers), json.loads(raw)
@@ -40,6 +43,11 @@ async def _one(client: httpx.AsyncClient, server: ServerProcess, index: int) -> 
     result = json.loads(raw)
     assert result["usage"]["completion_tokens"] == MAX_TOKENS
     return 200, dict(response.headers), result["choices"][0]
+
+
+def test_api_key_from_the_environment(small_server: ServerProcess) -> None:
+    assert httpx.get(small_server.v1 + "/models").status_code == 401
+    assert httpx.get(small_server.v1 + "/models", headers=AUTH).status_code == 200
 
 
 def test_burst_over_the_queue_limit(small_server: ServerProcess) -> None:

@@ -23,14 +23,14 @@ GRACE_S = 15
 def test_sigterm_drains_in_flight_streams() -> None:
     server = start_server("--shutdown-timeout", str(GRACE_S))
     try:
-        limits = [MAX_TOKENS] * NUM_STREAMS + [100_000]  # the last one outlives the grace period
+        limits = [MAX_TOKENS] * NUM_STREAMS + [8000]  # the last one outlives the grace period
         started = [threading.Event() for _ in limits]
         events: list[list[str]] = [[] for _ in limits]
         errors: list[BaseException] = []
 
         def stream(index: int) -> None:
             body = {"model": MODEL, "prompt": f"Tale {index}: long ago,", "max_tokens": limits[index],
-                    "ignore_eos": True, "stream": True}
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             try:
                 with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=120) as response:
                     assert response.status_code == 200
@@ -61,8 +61,8 @@ def test_sigterm_drains_in_flight_streams() -> None:
         for stream_events in events[:NUM_STREAMS]:
             assert stream_events[-1] == "[DONE]"
             chunks = [json.loads(e) for e in stream_events[:-1]]
-            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-            assert len(chunks) == MAX_TOKENS
+            assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+            assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
         cut = events[-1]
         assert cut[-1] == "[DONE]" and json.loads(cut[-2])["error"]["code"] == "shutting_down"
         assert server.process.wait(timeout=60) == 0

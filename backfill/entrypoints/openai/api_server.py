@@ -173,7 +173,7 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
     name = served_model_name or engine.model_name
     metrics = ServerMetrics(name, engine.config.max_num_seqs)
     async_engine = AsyncEngine(engine, max_queue=max_queue, observer=metrics)
-    vocab_size = int(getattr(engine, "vocab_size", 0) or engine.runner.model_config.vocab_size)
+    vocab_size = engine.vocab_size
     serving = OpenAIServing(async_engine, engine.tokenizer, name, engine.max_model_len, vocab_size)
     state = ServerState()
     created = int(time.time())
