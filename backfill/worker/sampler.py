@@ -303,26 +303,20 @@ class Sampler:
         if plan.min_p is not None:
             threshold = probs.amax(dim=-1, keepdim=True) * plan.min_p  # [S, 1]
             probs.masked_fill_(probs < threshold, 0.0)
-        # NOTE: argmax(probs / q) with q ~ Exp(1) picks token i with probability probs[i] / sum(probs):
-        # it needs no renormalization after truncation and no per-row multinomial.
-        q = self._exponential(probs.shape, self._generator)  # [S, V]
+        # Inverse-CDF sampling: one uniform draw per row picks token i with probability
+        # probs[i] / sum(probs), so truncated rows need no renormalization, and a zero-probability
+        # token (a flat step of the CDF) can never be hit. One draw per row, not one per token.
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [S, V]
+        u = torch.rand((probs.shape[0], 1), dtype=torch.float64, device=self.device, generator=self._generator)  # [S, 1]
         for row in plan.seeded_rows:
-            # A seeded row's noise comes only from its own stream, one [V] draw per step, so its
-            # tokens do not depend on which requests share the batch.
-            q[row] = self._exponential(probs.shape[1:], plan.states[row].generator)  # [V]
-        q.clamp_min_(torch.finfo(q.dtype).tiny)  # 0/0 would be NaN, which argmax would pick
-        sampled = (probs / q).argmax(dim=-1)  # [S]
+            # A seeded row's draw comes only from its own stream, so its tokens do not depend on
+            # which requests share the batch.
+            u[row] = torch.rand(1, dtype=torch.float64, device=self.device, generator=plan.states[row].generator)
+        target = (1.0 - u) * cdf[:, -1:]  # [S, 1], in (0, total mass]
+        sampled = torch.searchsorted(cdf, target).squeeze(1).clamp_max_(probs.shape[1] - 1)  # [S]
         if plan.greedy_mask is not None:
             sampled = torch.where(plan.greedy_mask, logits.argmax(dim=-1), sampled)  # [S]
         return sampled
-
-    def _exponential(self, shape: torch.Size, generator: torch.Generator | None) -> torch.Tensor:
-        """Exp(1) noise of `shape`."""
-        if self.device.type == "cpu":
-            # NOTE: torch's CPU exponential_ is ~5x slower than uniform + log; -log(U) ~ Exp(1).
-            # float64 keeps U's grid (2^-53) far below the smallest q that decides a race.
-            return torch.rand(shape, dtype=torch.float64, generator=generator).log_().neg_()
-        return torch.empty(shape, dtype=torch.float32, device=self.device).exponential_(generator=generator)
 
     def _record(self, plan: _BatchPlan, tokens: torch.Tensor) -> None:
         """Append each row's new token to its request's history (only what penalties/min_tokens read)."""
@@ -363,6 +357,9 @@ class Sampler:
         return self._free_slots.pop()
 
 
+_TOP_P_CANDIDATES = 1024  # best tokens searched for the nucleus before a full sort
+
+
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
     """Keep each row's k largest logits (ties at the k-th value kept); k == V keeps all.
 
@@ -380,9 +377,43 @@ def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
     """Top-k, then top-p over what top-k kept: the smallest set of best tokens whose mass >= p.
 
-    Sorts ascending, as vLLM does: a token is dropped when the mass of it and everything below it
-    is <= 1 - p, i.e. when the tokens strictly above it already hold >= p. The best token stays.
+    A token is dropped when the tokens strictly above it already hold >= p (vLLM's rule); the
+    best token always stays. Sorting the whole vocabulary is the slow part, so the nucleus is
+    first looked for among the best `_TOP_P_CANDIDATES` tokens; rows whose nucleus (or top-k
+    set) reaches past them fall back to the full sort. Both paths give the same result.
     """
+    vocab = logits.shape[-1]
+    num_candidates = min(vocab, _TOP_P_CANDIDATES)
+    values, index = logits.topk(num_candidates, dim=-1)  # [S, C] best first, [S, C]
+    if top_k is not None:
+        enabled = (top_k < vocab).unsqueeze(1)  # [S, 1]
+        k = torch.where(enabled, top_k.clamp_max(num_candidates).unsqueeze(1), num_candidates)  # [S, 1]
+        kth = values.gather(1, k - 1).masked_fill_(~enabled, float("-inf"))  # [S, 1]
+        # Every token top-k keeps must be a candidate: k inside, and no tie at the k-th value past them.
+        complete = (~enabled | (top_k.unsqueeze(1) < num_candidates) & (values[:, -1:] < kth)).squeeze(1)  # [S]
+        complete |= num_candidates == vocab
+        values = values.masked_fill(values < kth, float("-inf"))  # [S, C]
+        mass_logits = logits.masked_fill(logits < kth, float("-inf"))  # [S, V], what top-k kept
+    else:
+        complete = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)  # [S]
+        mass_logits = logits
+    total = torch.logsumexp(mass_logits, dim=-1, keepdim=True)  # [S, 1]
+    probs = (values - total).exp()  # [S, C]
+    cumulative = probs.cumsum(dim=-1)  # [S, C], mass of the best j + 1 tokens
+    above = cumulative - probs  # [S, C], mass strictly above each candidate
+    complete &= (cumulative[:, -1:] >= top_p).squeeze(1)  # the nucleus ends among the candidates
+    values = values.masked_fill(above >= top_p, float("-inf"))  # [S, C]
+    out = torch.full_like(logits, float("-inf")).scatter_(1, index, values)  # [S, V]
+    if not bool(complete.all()):
+        rows = (~complete).nonzero().squeeze(1)  # [R]
+        out[rows] = _apply_top_k_top_p_sorted(
+            logits[rows], None if top_k is None else top_k[rows], top_p[rows]
+        )
+    return out
+
+
+def _apply_top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """The reference: sort the whole vocabulary (ascending, as vLLM does) and cut."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=False)  # [S, V], [S, V]
     if top_k is not None:

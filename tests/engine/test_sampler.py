@@ -444,3 +444,21 @@ def test_batch_composition_changes_between_calls(device: torch.device) -> None:
     sampler.add_request("b", SamplingParams(temperature=0.0), [0])
     assert sampler.sample(["a", "b"], logits.to(device)).token_ids == [1, 1]
     assert sampler.sample([], torch.zeros((0, vocab), device=device)).token_ids == []
+
+
+def test_top_p_candidate_path_matches_full_sort() -> None:
+    """The top-p fast path (nucleus searched among the best candidates) equals the full sort,
+    including rows that must fall back: flat distributions, top-k sets wider than the candidates."""
+    from backfill.worker.sampler import _TOP_P_CANDIDATES, _apply_top_k_top_p, _apply_top_k_top_p_sorted
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 4 * _TOP_P_CANDIDATES
+    scales = torch.tensor([8.0, 3.0, 0.01, 1.0, 5.0, 0.0])[:, None]  # 0.01 / 0.0: nearly / fully flat
+    logits = torch.randn(6, vocab, generator=gen) * scales  # [6, V]
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.99, 0.3, 0.7])[:, None]
+    top_k = torch.tensor([vocab, 40, vocab, 2 * _TOP_P_CANDIDATES, 1, vocab])
+    for k in (None, top_k):
+        fast = _apply_top_k_top_p(logits, k, top_p)
+        slow = _apply_top_k_top_p_sorted(logits, k, top_p)
+        assert torch.equal(torch.isinf(fast), torch.isinf(slow))
+        assert torch.equal(fast[~torch.isinf(fast)], slow[~torch.isinf(slow)])
