@@ -259,7 +259,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 def _run_comparison(args: argparse.Namespace, config: CompareConfig, stem: str) -> int:
     """Shared by `offline` (backfill policies only) and `compare` (with the transformers baseline)."""
-    from backfill.bench.compare import format_compare, run_compare
+    from backfill.bench.compare import SYSTEM_LABELS, format_compare, run_compare
     from backfill.bench.offline import format_step_roofline
 
     requests = _workload_from_args(args)
@@ -280,13 +280,15 @@ def _run_comparison(args: argparse.Namespace, config: CompareConfig, stem: str) 
     if args.plot:
         from backfill.bench.plots import plot_latency_cdf, plot_slot_timeline
 
-        timelines = {n: [s.slot_states for s in first_runs[n].step_stats] for n in ("static", "continuous") if n in first_runs}
+        shown = [n for n in ("static", "continuous") if n in first_runs]
+        timelines = {SYSTEM_LABELS[n]: [s.slot_states for s in first_runs[n].step_stats] for n in shown}
         if timelines:
-            durations = {n: first_runs[n].duration for n in timelines}
-            ids = {n: [s.slot_request_ids for s in first_runs[n].step_stats] for n in timelines}
+            durations = {SYSTEM_LABELS[n]: first_runs[n].duration for n in shown}
+            ids = {SYSTEM_LABELS[n]: [s.slot_request_ids for s in first_runs[n].step_stats] for n in shown}
             out = plot_slot_timeline(timelines, path.with_name(path.stem + "_slot_timeline.png"), durations, ids)
             print(f"wrote {out}")
-        cdf = {n: {"ttft": [r.ttft for r in run_.results if r.success], "e2el": [r.latency for r in run_.results if r.success]}
+        cdf = {SYSTEM_LABELS[n]: {"ttft": [r.ttft for r in run_.results if r.success],
+                                  "e2el": [r.latency for r in run_.results if r.success]}
                for n, run_ in first_runs.items()}
         print(f"wrote {plot_latency_cdf(cdf, path.with_name(path.stem + '_latency_cdf.png'))}")
     return 0

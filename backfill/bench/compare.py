@@ -170,6 +170,7 @@ def run_compare(
             "systems": list(config.systems),
             "max_model_len": config.max_model_len,
             "price_per_hour": config.price_per_hour,
+            "num_threads": config.num_threads or describe_host().get("torch_threads"),
         },
         "workload": describe_workload(list(requests)),
         "machine": machine.to_json() if machine is not None else None,

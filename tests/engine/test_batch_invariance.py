@@ -17,7 +17,7 @@ NUM_REQUESTS = 32
 def workload() -> tuple[list[str], list[SamplingParams]]:
     rng = random.Random(1)
     prompts = make_prompts(NUM_REQUESTS, seed=1)
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(2, 24), ignore_eos=True) for _ in prompts]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(2, 16), ignore_eos=True) for _ in prompts]
     return prompts, params
 
 
