@@ -128,6 +128,8 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(self.tokenizer.hf, prompt_token_ids, seq_params)
             logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
             group.sequences.append(_Sequence(request_id, request, index, detokenizer, logprobs))
+        if any(seq.request.request_id in self._sequences for seq in group.sequences):
+            raise ValueError(f"request_id: {request_id!r} collides with a running request's sequence id")
         for seq in group.sequences:
             self.scheduler.add_request(seq.request)
             self._sequences[seq.request.request_id] = seq
