@@ -140,10 +140,11 @@ def _add_common_report_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def _write_json(path: Path, data: dict[str, Any], quiet: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=_json_default, allow_nan=True) + "\n")
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
 
 
 def _json_default(value: Any) -> Any:
@@ -266,7 +267,11 @@ def _run_comparison(args: argparse.Namespace, config: CompareConfig, stem: str) 
     _set_threads(args)
     roofline = _measure_roofline(args)
     machine, shape = roofline if roofline else (None, None)
-    report, first_runs = run_compare(requests, config, machine, shape)
+    path = _result_path(args, stem)
+    partial = path.with_name(path.stem + ".partial.json")
+    report, first_runs = run_compare(requests, config, machine, shape,
+                                     checkpoint=lambda so_far: _write_json(partial, so_far, quiet=True))
+    partial.unlink(missing_ok=True)
     report["argv"] = sys.argv
     print(format_compare(report))
     for name, summary in report["medians"].items():
@@ -275,7 +280,6 @@ def _run_comparison(args: argparse.Namespace, config: CompareConfig, stem: str) 
             print(f"\n{name}: roofline efficiency {summary.get('roofline_efficiency', 0):.2f} "
                   "(sum of ideal step times / sum of measured); decode steps of the first repeat:")
             print(format_step_roofline(rows))
-    path = _result_path(args, stem)
     _write_json(path, report)
     if args.plot:
         from backfill.bench.plots import plot_latency_cdf, plot_slot_timeline

@@ -11,7 +11,7 @@ import gc
 import logging
 import statistics
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from backfill.bench.offline import (
     DEFAULT_MAX_MODEL_LEN,
@@ -108,8 +108,13 @@ def run_compare(
     config: CompareConfig,
     machine: MachineRoofline | None = None,
     model_shape: ModelShape | None = None,
+    checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, OfflineRun]]:
-    """Run every system; returns (report, the first repeat's run of each system, for plots)."""
+    """Run every system; returns (report, the first repeat's run of each system, for plots).
+
+    `checkpoint`, when given, receives the report so far after every repeat, so a run that
+    is interrupted keeps what it measured.
+    """
     host_before = describe_host()
     tokenized: list[WorkloadRequest] | None = None
     per_system: dict[str, list[dict[str, Any]]] = {}
@@ -125,13 +130,14 @@ def run_compare(
         roofline = None
         if machine is not None and model_shape is not None:
             roofline = (model_shape, machine, config.dtype, engine.config.block_size)
-        summaries = []
+        summaries = per_system.setdefault(policy, [])
         for repeat in range(config.repeats):
             run = run_offline_workload(engine, tokenized, f"{policy} #{repeat + 1}", config.show_progress)
             first_runs.setdefault(policy, run)
             summaries.append(summarize_offline(run, roofline=roofline, price_per_hour=config.price_per_hour))
             logger.info("%s repeat %d: %.1f output tok/s", policy, repeat + 1, summaries[-1]["output_throughput"])
-        per_system[policy] = summaries
+            if checkpoint is not None:
+                checkpoint(build_report(requests, config, machine, host_before, per_system))
         del engine
         gc.collect()
     if "hf" in config.systems:
@@ -150,17 +156,36 @@ def run_compare(
         prompts = [list(r.prompt_token_ids or []) for r in tokenized]
         max_tokens = [r.max_tokens for r in tokenized]
         arrivals = [r.arrival_s for r in tokenized]
-        summaries = []
+        summaries = per_system.setdefault("hf", [])
         for repeat in range(config.repeats):
             run = run_hf_static(hf_model, prompts, max_tokens, config.batch_size, pad_id, arrivals,
                                 f"hf #{repeat + 1}", config.show_progress)
             first_runs.setdefault("hf", run)
             summaries.append(summarize_offline(run, price_per_hour=config.price_per_hour))
-        per_system["hf"] = summaries
+            if checkpoint is not None:
+                checkpoint(build_report(requests, config, machine, host_before, per_system))
         del hf_model
         gc.collect()
-    medians = {name: median_summary(summaries) for name, summaries in per_system.items()}
-    report: dict[str, Any] = {
+    return build_report(requests, config, machine, host_before, per_system), first_runs
+
+
+def build_report(
+    requests: Sequence[WorkloadRequest],
+    config: CompareConfig,
+    machine: MachineRoofline | None,
+    host_before: dict[str, Any],
+    per_system: dict[str, list[dict[str, Any]]],
+) -> dict[str, Any]:
+    """The report of the repeats run so far (also written as a checkpoint after each repeat)."""
+    medians = {name: median_summary(summaries) for name, summaries in per_system.items() if summaries}
+    if config.price_per_hour is not None:
+        for name, summaries in per_system.items():
+            if summaries:
+                medians[name]["cost_per_million_output_tokens"] = statistics.median(
+                    s["economics"]["cost_per_million_output_tokens"] for s in summaries)
+                medians[name]["idle_slot_cost_per_million_output_tokens"] = statistics.median(
+                    s["economics"]["idle_slot_cost_per_million_output_tokens"] for s in summaries)
+    return {
         "config": {
             "model": config.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
             "dtype": resolve_dtype(config.dtype),
@@ -179,13 +204,6 @@ def run_compare(
         "ratios": compute_ratios(medians),
         "runs": {name: [_strip(s) for s in summaries] for name, summaries in per_system.items()},
     }
-    if config.price_per_hour is not None:
-        for name, summaries in per_system.items():
-            medians[name]["cost_per_million_output_tokens"] = statistics.median(
-                s["economics"]["cost_per_million_output_tokens"] for s in summaries)
-            medians[name]["idle_slot_cost_per_million_output_tokens"] = statistics.median(
-                s["economics"]["idle_slot_cost_per_million_output_tokens"] for s in summaries)
-    return report, first_runs
 
 
 def format_compare(report: dict[str, Any]) -> str:
