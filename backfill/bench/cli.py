@@ -269,31 +269,32 @@ def _run_comparison(args: argparse.Namespace, config: CompareConfig, stem: str) 
     machine, shape = roofline if roofline else (None, None)
     path = _result_path(args, stem)
     partial = path.with_name(path.stem + ".partial.json")
-    report, first_runs = run_compare(requests, config, machine, shape,
+    report, shown_runs = run_compare(requests, config, machine, shape,
                                      checkpoint=lambda so_far: _write_json(partial, so_far, quiet=True))
     partial.unlink(missing_ok=True)
     report["argv"] = sys.argv
     print(format_compare(report))
     for name, summary in report["medians"].items():
-        rows = report["runs"][name][0].get("decode_steps_by_batch")
+        repeat = summary.get("representative_repeat", 0)
+        rows = report["runs"][name][repeat].get("decode_steps_by_batch")
         if rows:
             print(f"\n{name}: roofline efficiency {summary.get('roofline_efficiency', 0):.2f} "
-                  "(sum of ideal step times / sum of measured); decode steps of the first repeat:")
+                  f"(sum of ideal step times / sum of measured); decode steps of repeat {repeat + 1} (the median):")
             print(format_step_roofline(rows))
     _write_json(path, report)
     if args.plot:
         from backfill.bench.plots import plot_latency_cdf, plot_slot_timeline
 
-        shown = [n for n in ("static", "continuous") if n in first_runs]
-        timelines = {SYSTEM_LABELS[n]: [s.slot_states for s in first_runs[n].step_stats] for n in shown}
+        shown = [n for n in ("static", "continuous") if n in shown_runs]
+        timelines = {SYSTEM_LABELS[n]: [s.slot_states for s in shown_runs[n].step_stats] for n in shown}
         if timelines:
-            durations = {SYSTEM_LABELS[n]: first_runs[n].duration for n in shown}
-            ids = {SYSTEM_LABELS[n]: [s.slot_request_ids for s in first_runs[n].step_stats] for n in shown}
+            durations = {SYSTEM_LABELS[n]: shown_runs[n].duration for n in shown}
+            ids = {SYSTEM_LABELS[n]: [s.slot_request_ids for s in shown_runs[n].step_stats] for n in shown}
             out = plot_slot_timeline(timelines, path.with_name(path.stem + "_slot_timeline.png"), durations, ids)
             print(f"wrote {out}")
         cdf = {SYSTEM_LABELS[n]: {"ttft": [r.ttft for r in run_.results if r.success],
                                   "e2el": [r.latency for r in run_.results if r.success]}
-               for n, run_ in first_runs.items()}
+               for n, run_ in shown_runs.items()}
         print(f"wrote {plot_latency_cdf(cdf, path.with_name(path.stem + '_latency_cdf.png'))}")
     return 0
 

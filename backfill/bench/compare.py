@@ -110,7 +110,7 @@ def run_compare(
     model_shape: ModelShape | None = None,
     checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, OfflineRun]]:
-    """Run every system; returns (report, the first repeat's run of each system, for plots).
+    """Run every system; returns (report, each system's median-throughput repeat, for plots).
 
     `checkpoint`, when given, receives the report so far after every repeat, so a run that
     is interrupted keeps what it measured.
@@ -118,7 +118,7 @@ def run_compare(
     host_before = describe_host()
     tokenized: list[WorkloadRequest] | None = None
     per_system: dict[str, list[dict[str, Any]]] = {}
-    first_runs: dict[str, OfflineRun] = {}
+    all_runs: dict[str, list[OfflineRun]] = {}
     for policy in ("continuous", "static"):
         if policy not in config.systems:
             continue
@@ -133,7 +133,7 @@ def run_compare(
         summaries = per_system.setdefault(policy, [])
         for repeat in range(config.repeats):
             run = run_offline_workload(engine, tokenized, f"{policy} #{repeat + 1}", config.show_progress)
-            first_runs.setdefault(policy, run)
+            all_runs.setdefault(policy, []).append(run)
             summaries.append(summarize_offline(run, roofline=roofline, price_per_hour=config.price_per_hour))
             logger.info("%s repeat %d: %.1f output tok/s", policy, repeat + 1, summaries[-1]["output_throughput"])
             if checkpoint is not None:
@@ -160,13 +160,25 @@ def run_compare(
         for repeat in range(config.repeats):
             run = run_hf_static(hf_model, prompts, max_tokens, config.batch_size, pad_id, arrivals,
                                 f"hf #{repeat + 1}", config.show_progress)
-            first_runs.setdefault("hf", run)
+            all_runs.setdefault("hf", []).append(run)
             summaries.append(summarize_offline(run, price_per_hour=config.price_per_hour))
             if checkpoint is not None:
                 checkpoint(build_report(requests, config, machine, host_before, per_system))
         del hf_model
         gc.collect()
-    return build_report(requests, config, machine, host_before, per_system), first_runs
+    report = build_report(requests, config, machine, host_before, per_system)
+    representative = {}
+    for name, runs in all_runs.items():
+        index = median_index([s["output_throughput"] for s in per_system[name]])
+        report["medians"][name]["representative_repeat"] = index
+        representative[name] = runs[index]
+    return report, representative
+
+
+def median_index(values: Sequence[float]) -> int:
+    """Index of the median value (the lower middle for an even count): the repeat to show."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    return order[(len(order) - 1) // 2]
 
 
 def build_report(

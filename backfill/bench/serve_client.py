@@ -216,7 +216,10 @@ async def benchmark_serve(requests: list[WorkloadRequest], config: ServeBenchCon
     scheduled = schedule_arrivals(requests, config)
     order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].arrival_s)
     timeout = aiohttp.ClientTimeout(total=config.timeout_s)
-    connector = aiohttp.TCPConnector(limit=0)  # no client-side cap on concurrency
+    # No client-side cap on concurrency. NOTE: force_close gives each request its own
+    # connection: reusing an idle keep-alive connection races with the server closing it
+    # (uvicorn closes after 5 s idle), which fails the request before it is sent.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         model = config.model or await fetch_model_id(session, base_url, config)
         for _ in range(config.num_warmups):
