@@ -30,6 +30,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0  # seeds the unseeded sampling stream, so a whole run is reproducible
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
+    prepack_weights: bool = True  # CPU fp32: linear weights in oneDNN's packed layout (model/prepack.py)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

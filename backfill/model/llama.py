@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from backfill.model.attention import AttentionMetadata, paged_attention, write_kv
 from backfill.model.config import ModelConfig
 from backfill.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
+from backfill.model.prepack import PackedLinear, prepack_linears
 
 # Logits per row recomputed with fp32 sums when the model runs in bf16/fp16 (see compute_logits).
 LOGITS_REFINE_TOP_K = 8
@@ -120,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.packed_lm_head: PackedLinear | None = None  # set by prepack_weights()
 
     def forward(
         self,
@@ -149,6 +151,8 @@ class LlamaForCausalLM(nn.Module):
         LOGITS_REFINE_TOP_K logits of each row are therefore recomputed from the same inputs
         with fp32 sums, so greedy choices and the head of the sampling distribution are exact.
         """
+        if self.packed_lm_head is not None:  # fp32 only: no refinement needed
+            return self.packed_lm_head(hidden)  # [S, vocab]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [vocab, hidden]
         logits = F.linear(hidden, weight).float()  # [S, vocab]
         if hidden.dtype in (torch.bfloat16, torch.float16):
@@ -157,6 +161,17 @@ class LlamaForCausalLM(nn.Module):
             exact = torch.bmm(rows, hidden.float()[:, :, None])[:, :, 0]  # [S, K]
             logits.scatter_(1, top, exact)
         return logits
+
+    def prepack_weights(self) -> int:
+        """CPU fp32: hold every linear weight, the LM head's included, in oneDNN's packed layout
+        (see backfill/model/prepack.py). A tied head gets a packed copy of the embedding (the
+        lookup still reads the dense one); an untied head's dense weight is dropped.
+        Returns the number of matrices packed."""
+        count = prepack_linears(self.layers)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [vocab, hidden]
+        self.packed_lm_head = PackedLinear(weight, None)
+        self.lm_head = None
+        return count + 1
 
     def make_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[Tensor, Tensor]]:
         """Zeroed per-layer (k_cache, v_cache) pairs, [num_blocks, block_size, Hkv, D] each, in

@@ -10,6 +10,7 @@ import torch
 from backfill.config import EngineConfig
 from backfill.core.outputs import ModelRunnerOutput, SchedulerOutput
 from backfill.model.loader import load_model, preferred_dtype
+from backfill.model.prepack import prepack_supported
 from backfill.worker.input_batch import build_batch
 from backfill.worker.sampler import Sampler
 
@@ -42,6 +43,9 @@ class ModelRunner:
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.model = load_model(config.model, self.dtype, self.device)
+        if config.prepack_weights and prepack_supported(self.dtype, self.device):
+            num_packed = self.model.prepack_weights()
+            logger.info("prepacked %d linear weights for oneDNN", num_packed)
         self.model_config = self.model.config
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.block_size = config.block_size

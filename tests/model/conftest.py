@@ -23,6 +23,17 @@ def our_model(gguf_path: str) -> LlamaForCausalLM:
     return load_model(gguf_path, torch.float32, torch.device("cpu"))
 
 
+@pytest.fixture(scope="session", params=["dense", "prepacked"])
+def engine_model(request: pytest.FixtureRequest, gguf_path: str) -> LlamaForCausalLM:
+    """The model as the engine runs it, both ways: dense `nn.Linear` weights, and on CPU the
+    oneDNN-prepacked weights the ModelRunner switches to by default (model/prepack.py)."""
+    if request.param == "dense":
+        return request.getfixturevalue("our_model")
+    model = load_model(gguf_path, torch.float32, torch.device("cpu"))
+    assert model.prepack_weights() == 4 * model.config.num_layers + 1
+    return model
+
+
 @pytest.fixture(scope="session")
 def hf_model(gguf_path: str) -> torch.nn.Module:
     """transformers' own Llama, loaded by its own GGUF loader from the same file (~20 s)."""

@@ -12,13 +12,13 @@ NUM_NEW_TOKENS = 32
 
 @torch.inference_mode()
 def test_greedy_matches_transformers_generate(
-    our_model: LlamaForCausalLM, hf_model: torch.nn.Module, prompt_ids: list[list[int]]
+    engine_model: LlamaForCausalLM, hf_model: torch.nn.Module, prompt_ids: list[list[int]]
 ) -> None:
     # min_new_tokens makes transformers mask the eos logits until 32 tokens exist; we mask the
     # same ids so both sides produce exactly 32 tokens.
     eos_ids = hf_model.generation_config.eos_token_id
     eos_ids = tuple(eos_ids) if isinstance(eos_ids, list) else (eos_ids,)
-    assert eos_ids == our_model.config.eos_token_ids
+    assert eos_ids == engine_model.config.eos_token_ids
     expected = []
     for p in prompt_ids:
         out = hf_model.generate(
@@ -28,7 +28,7 @@ def test_greedy_matches_transformers_generate(
         expected.append(out[0, len(p):].tolist())
     # All three prompts share every step; prompts enter in chunks of 8 tokens, so steps mix
     # chunked prefills with decodes once the shortest prompt is in.
-    ours = PagedDriver(our_model, num_blocks=48, block_size=8, seed=2).greedy(
+    ours = PagedDriver(engine_model, num_blocks=48, block_size=8, seed=2).greedy(
         prompt_ids, NUM_NEW_TOKENS, chunk=8, suppress_token_ids=eos_ids
     )
     for i, (got, want) in enumerate(zip(ours, expected)):

@@ -46,11 +46,14 @@ def save_tiny(kind: str, folder: Path) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.parametrize("prepacked", [False, True], ids=["dense", "prepacked"])
 @pytest.mark.parametrize("kind", sorted(VARIANTS))
 @torch.inference_mode()
-def test_tiny_folder_logits_match_transformers(kind: str, tmp_path: Path) -> None:
+def test_tiny_folder_logits_match_transformers(kind: str, prepacked: bool, tmp_path: Path) -> None:
     ref_model = save_tiny(kind, tmp_path)
     ours = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+    if prepacked:  # what the ModelRunner runs on CPU in fp32 (q/k/v biases and untied heads too)
+        ours.prepack_weights()
     assert ours.config.tie_word_embeddings == (kind == "llama_tied")
     assert ours.config.attention_bias == (kind == "qwen2")
     gen = torch.Generator().manual_seed(1)

@@ -29,13 +29,13 @@ def test_config_read_from_gguf_metadata(our_model: LlamaForCausalLM) -> None:
 
 @torch.inference_mode()
 def test_prefill_and_decode_logits_match_transformers(
-    our_model: LlamaForCausalLM, hf_model: torch.nn.Module, prompt_ids: list[list[int]]
+    engine_model: LlamaForCausalLM, hf_model: torch.nn.Module, prompt_ids: list[list[int]]
 ) -> None:
     """Prefill (in two chunks) then 20 greedy decode steps through our paged cache, three
     sequences sharing every step; then one transformers forward over each final sequence must
     give the same logits at every position we computed, and the same greedy tokens."""
     prompts = prompt_ids
-    driver = PagedDriver(our_model, num_blocks=64, block_size=16, seed=1)
+    driver = PagedDriver(engine_model, num_blocks=64, block_size=16, seed=1)
     names = [f"s{i}" for i in range(len(prompts))]
     # Step 1: first half of each prompt. Step 2: the rest (chunked prefill over a cached prefix).
     halves = [len(p) // 2 for p in prompts]
