@@ -30,6 +30,10 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0  # seeds the unseeded sampling stream, so a whole run is reproducible
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
+    # policy="static": a finished request's slot is still computed (a padding row) until its
+    # batch ends, as in any fixed-shape batch (transformers generate(), request-level servers).
+    # False computes only unfinished requests: a static batch that shrinks every iteration.
+    static_padding: bool = True
     prepack_weights: bool = True  # CPU fp32: linear weights in oneDNN's packed layout (model/prepack.py)
 
     def __post_init__(self) -> None:

@@ -117,7 +117,11 @@ def add_bench_subparser(subparsers: Any) -> None:
     compare.add_argument("--workload", default=None, help="JSON-lines workload (default: generate one)")
     compare.add_argument("--batch-size", type=int, default=16, help="max-num-seqs for backfill, batch for generate()")
     compare.add_argument("--repeats", type=int, default=3)
-    compare.add_argument("--systems", nargs="+", choices=("continuous", "static", "hf"), default=["continuous", "static", "hf"])
+    from backfill.bench.compare import DEFAULT_SYSTEMS, SYSTEMS
+
+    compare.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS),
+                         help="static: fixed-shape batches (finished slots computed as padding); "
+                              "static_compact: finished slots skipped; hf: transformers generate()")
     _add_engine_arguments(compare)
     _add_common_report_arguments(compare)
     _add_spec_arguments(compare)
@@ -285,7 +289,7 @@ def _run_comparison(args: argparse.Namespace, config: CompareConfig, stem: str) 
     if args.plot:
         from backfill.bench.plots import plot_latency_cdf, plot_slot_timeline
 
-        shown = [n for n in ("static", "continuous") if n in shown_runs]
+        shown = [n for n in ("static", "static_compact", "continuous") if n in shown_runs]
         timelines = {SYSTEM_LABELS[n]: [s.slot_states for s in shown_runs[n].step_stats] for n in shown}
         if timelines:
             durations = {SYSTEM_LABELS[n]: shown_runs[n].duration for n in shown}

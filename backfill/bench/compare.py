@@ -26,11 +26,19 @@ from backfill.bench.workloads import WorkloadRequest, describe_workload
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS: tuple[str, ...] = ("continuous", "static", "hf")
+SYSTEMS: tuple[str, ...] = ("continuous", "static", "static_compact", "hf")
+DEFAULT_SYSTEMS: tuple[str, ...] = ("continuous", "static", "hf")
 SYSTEM_LABELS: dict[str, str] = {
     "continuous": "backfill continuous",
-    "static": "backfill static",
+    "static": "backfill static",  # fixed-shape batches: a finished slot is still computed
+    "static_compact": "backfill static, compact",  # finished slots skipped: shrinks every step
     "hf": "transformers generate()",
+}
+# The backfill systems: name -> (policy, static_padding).
+ENGINE_SYSTEMS: dict[str, tuple[str, bool]] = {
+    "continuous": ("continuous", True),
+    "static": ("static", True),
+    "static_compact": ("static", False),
 }
 # Figures reported as medians over repeats (all higher-is-better throughputs or ms latencies).
 HEADLINE_FIELDS: tuple[str, ...] = (
@@ -48,7 +56,7 @@ class CompareConfig:
     device: str = "cpu"
     batch_size: int = 16
     repeats: int = 3
-    systems: tuple[str, ...] = SYSTEMS
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     price_per_hour: float | None = None
     num_threads: int | None = None  # torch CPU threads for every system; None: torch's default
@@ -93,7 +101,7 @@ def compute_ratios(medians: dict[str, dict[str, Any]]) -> dict[str, float | None
     """Throughput ratios (continuous over the others) and tail-latency ratios (others over continuous)."""
     c = medians.get("continuous", {})
     ratios: dict[str, float | None] = {}
-    for other in ("static", "hf"):
+    for other in ("static", "static_compact", "hf"):
         o = medians.get(other)
         if not c or not o:
             continue
@@ -119,23 +127,23 @@ def run_compare(
     tokenized: list[WorkloadRequest] | None = None
     per_system: dict[str, list[dict[str, Any]]] = {}
     all_runs: dict[str, list[OfflineRun]] = {}
-    for policy in ("continuous", "static"):
-        if policy not in config.systems:
+    for name, (policy, static_padding) in ENGINE_SYSTEMS.items():
+        if name not in config.systems:
             continue
         engine = make_engine(config.model, policy, config.batch_size, config.dtype, config.device, config.max_model_len,
-                             num_threads=config.num_threads)
+                             num_threads=config.num_threads, static_padding=static_padding)
         if tokenized is None:
             tokenized = tokenize_workload(requests, lambda text: engine.tokenizer.encode(text, add_special_tokens=True))
         warm_up(engine)
         roofline = None
         if machine is not None and model_shape is not None:
             roofline = (model_shape, machine, config.dtype, engine.config.block_size)
-        summaries = per_system.setdefault(policy, [])
+        summaries = per_system.setdefault(name, [])
         for repeat in range(config.repeats):
-            run = run_offline_workload(engine, tokenized, f"{policy} #{repeat + 1}", config.show_progress)
-            all_runs.setdefault(policy, []).append(run)
+            run = run_offline_workload(engine, tokenized, f"{name} #{repeat + 1}", config.show_progress)
+            all_runs.setdefault(name, []).append(run)
             summaries.append(summarize_offline(run, roofline=roofline, price_per_hour=config.price_per_hour))
-            logger.info("%s repeat %d: %.1f output tok/s", policy, repeat + 1, summaries[-1]["output_throughput"])
+            logger.info("%s repeat %d: %.1f output tok/s", name, repeat + 1, summaries[-1]["output_throughput"])
             if checkpoint is not None:
                 checkpoint(build_report(requests, config, machine, host_before, per_system))
         del engine
@@ -239,7 +247,7 @@ def format_compare(report: dict[str, Any]) -> str:
         lines.append(line)
     ratios = report["ratios"]
     lines.append("")
-    for other in ("static", "hf"):
+    for other in ("static", "static_compact", "hf"):
         key = f"continuous_vs_{other}_output_throughput"
         if ratios.get(key) is not None:
             lines.append(

@@ -50,6 +50,7 @@ def make_engine(
     max_num_batched_tokens: int = 2048,
     seed: int = 0,
     num_threads: int | None = None,
+    static_padding: bool = True,
 ) -> LLMEngine:
     from backfill.config import EngineConfig
     from backfill.engine.llm_engine import LLMEngine
@@ -64,6 +65,7 @@ def make_engine(
         max_model_len=max_model_len,
         seed=seed,
         num_threads=num_threads,
+        static_padding=static_padding,
     )
     return LLMEngine(config)
 

@@ -49,6 +49,10 @@ class SchedulerOutput:
     # Requests that left the engine since the last step: the runner drops their cached state.
     finished_request_ids: list[str] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # Static policy with padding: one row per batch slot still held by a finished request. Row
+    # i runs a dummy token at position padding_seq_lens[i] - 1 over a context of that many
+    # tokens, as the finished sequence's row of a fixed-shape batch would; nothing is sampled.
+    padding_seq_lens: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -91,6 +95,7 @@ class StepStats:
     num_slots: int  # max_num_seqs
     num_slots_useful: int  # slots whose request advanced this step
     num_slots_idle: int  # slots held by a request that did nothing useful (static: finished, waiting for the batch)
+    num_padding_tokens: int = 0  # idle slots computed anyway (static policy with padding)
     slot_request_ids: list[str | None] = field(default_factory=list)  # per slot, for timelines
     slot_states: list[str] = field(default_factory=list)  # per slot: "useful" | "idle" | "empty"
 

@@ -27,7 +27,8 @@ class Scheduler:
     Slots model the `max_num_seqs` rows of the batch: each admitted request gets the lowest
     free slot. With `policy="continuous"` a slot is released as soon as its request finishes
     or is preempted; with `policy="static"` every slot of a batch is held until the whole
-    batch has finished, and only then is the next batch admitted.
+    batch has finished, and only then is the next batch admitted. With `static_padding` (the
+    default) a held slot is also computed, as a padding row: a fixed-shape batch's cost.
 
     A step is `schedule()`, the model run, then `update_from_output()`; `finish_requests()`
     (abort, stop string) may come between steps.
@@ -49,6 +50,9 @@ class Scheduler:
         self._slots: list[str | None] = [None] * self.max_num_seqs
         self._slot_by_request_id: dict[str, int] = {}
         self._batch_request_ids: set[str] = set()  # static: unfinished members of the current batch
+        # static with padding: finished members of the current batch -> their padding row's
+        # sequence length (it grows by one every step, as the row would in a fixed-shape batch)
+        self._padding_lens: dict[str, int] = {}
         self._slot_states: list[tuple[str | None, str]] = [(None, SLOT_EMPTY)] * self.max_num_seqs
 
     # ---------------------------------------------------------------- queries
@@ -170,12 +174,18 @@ class Scheduler:
             else (None, SLOT_EMPTY)
             for request_id in self._slots
         ]
+        padding_seq_lens: list[int] = []
+        if scheduled and self._padding_lens:
+            for request_id in self._padding_lens:
+                self._padding_lens[request_id] += 1
+            padding_seq_lens = list(self._padding_lens.values())
         finished_request_ids, self._finished_request_ids = self._finished_request_ids, []
         return SchedulerOutput(
             scheduled=scheduled,
             preempted_request_ids=[request.request_id for request in preempted],
             finished_request_ids=finished_request_ids,
             num_batched_tokens=self.max_num_batched_tokens - budget,
+            padding_seq_lens=padding_seq_lens,
         )
 
     def _next_waiting(self) -> Request | None:
@@ -308,6 +318,11 @@ class Scheduler:
             if not self._batch_request_ids:  # the batch is over: all its slots come free
                 for request_id in list(self._slot_by_request_id):
                     self._release_slot(request_id)
+                self._padding_lens.clear()
+            elif self.config.static_padding:
+                # Its row keeps running: the next step feeds its last token (position
+                # num_tokens - 1), the one after position num_tokens, and so on.
+                self._padding_lens[request.request_id] = request.num_tokens - 1
 
     # --------------------------------------------------------------- helpers
 

@@ -37,6 +37,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         num_threads: int | None = None,
+        static_padding: bool = True,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -50,6 +51,7 @@ class LLM:
             device=device,
             seed=seed,
             num_threads=num_threads,
+            static_padding=static_padding,
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()

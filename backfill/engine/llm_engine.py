@@ -286,6 +286,7 @@ class LLMEngine:
             num_slots=self.config.max_num_seqs,
             num_slots_useful=sum(1 for _, state in slot_states if state == "useful"),
             num_slots_idle=sum(1 for _, state in slot_states if state == "idle"),
+            num_padding_tokens=len(scheduler_output.padding_seq_lens),
             slot_request_ids=[request_id for request_id, _ in slot_states],
             slot_states=[state for _, state in slot_states],
         )

@@ -19,19 +19,30 @@ class Batch:
     logits_index               ^                 ^                  ^    [S_sample]
     ```
     Only the last token of a sequence that samples this step goes through the LM head.
+    Padding rows (static batches, see SchedulerOutput.padding_seq_lens) come last: one token
+    each, over the scratch KV block; their logits rows follow the sampled ones.
     """
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     metadata: AttentionMetadata
-    logits_index: torch.Tensor  # [S_sample] int64, rows of the hidden states to sample from
-    sample_request_ids: list[str]  # request id of each logits row, in row order
+    logits_index: torch.Tensor  # [S_sample + P] int64, rows of the hidden states for the LM head
+    sample_request_ids: list[str]  # request id of the first S_sample logits rows, in row order
+    num_padding: int = 0  # P padding rows (LM head computed, nothing sampled)
 
 
-def build_batch(scheduler_output: SchedulerOutput, block_size: int, device: torch.device) -> Batch:
-    """Build the step's tensors once; every layer reuses them."""
+def build_batch(
+    scheduler_output: SchedulerOutput, block_size: int, device: torch.device, scratch_block: int | None = None
+) -> Batch:
+    """Build the step's tensors once; every layer reuses them.
+
+    Padding rows write and read only `scratch_block`, a KV block the scheduler never hands out
+    (its table repeats that block to the row's length: a real context's worth of reads).
+    """
     scheduled = scheduler_output.scheduled
     assert scheduled, "build_batch needs at least one scheduled request"
+    padding_lens = scheduler_output.padding_seq_lens
+    assert scratch_block is not None or not padding_lens, "padding rows need a scratch block"
     input_ids: list[int] = []
     logits_index: list[int] = []
     sample_request_ids: list[str] = []
@@ -40,10 +51,14 @@ def build_batch(scheduler_output: SchedulerOutput, block_size: int, device: torc
         if item.sample:
             logits_index.append(len(input_ids) - 1)
             sample_request_ids.append(item.request_id)
+    for _ in padding_lens:
+        input_ids.append(0)
+        logits_index.append(len(input_ids) - 1)
     positions, metadata = build_attention_metadata(
-        num_computed_tokens=[item.num_computed_tokens for item in scheduled],
-        query_lens=[item.num_tokens for item in scheduled],
-        block_tables=[item.block_ids for item in scheduled],
+        num_computed_tokens=[item.num_computed_tokens for item in scheduled] + [n - 1 for n in padding_lens],
+        query_lens=[item.num_tokens for item in scheduled] + [1] * len(padding_lens),
+        block_tables=[item.block_ids for item in scheduled]
+        + [[scratch_block] * -(-n // block_size) for n in padding_lens],  # type: ignore[list-item]
         block_size=block_size,
         device=device,
     )
@@ -53,4 +68,5 @@ def build_batch(scheduler_output: SchedulerOutput, block_size: int, device: torc
         metadata=metadata,
         logits_index=torch.tensor(logits_index, dtype=torch.long, device=device),
         sample_request_ids=sample_request_ids,
+        num_padding=len(padding_lens),
     )

@@ -50,7 +50,9 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.block_size = config.block_size
         self.num_kv_blocks = config.num_kv_blocks or self._default_num_kv_blocks()
-        self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+        # One block more than the scheduler knows: the scratch block of padding rows.
+        self.scratch_block = self.num_kv_blocks
+        self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks + 1)
         self.sampler = Sampler(
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=self.model_config.eos_token_ids,
@@ -98,12 +100,13 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
 
-        batch = build_batch(scheduler_output, self.block_size, self.device)
+        batch = build_batch(scheduler_output, self.block_size, self.device, self.scratch_block)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)  # [T, hidden]
-        if not batch.sample_request_ids:  # only partial prompt chunks this step
+        if not batch.sample_request_ids:  # only partial prompt chunks (and padding) this step
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
-        logits = self.model.compute_logits(hidden[batch.logits_index])  # [S_sample, vocab] float32
-        sampled = self.sampler.sample(batch.sample_request_ids, logits)
+        logits = self.model.compute_logits(hidden[batch.logits_index])  # [S_sample + P, vocab] float32
+        num_sample = len(batch.sample_request_ids)
+        sampled = self.sampler.sample(batch.sample_request_ids, logits[:num_sample])  # padding rows dropped
         return ModelRunnerOutput(
             request_ids=batch.sample_request_ids,
             sampled_token_ids=sampled.token_ids,

@@ -161,6 +161,11 @@ def check_step(scheduler: Scheduler, output: SchedulerOutput, decoding_before: l
             assert scheduler.slot_of(request_id) == slot
     for request in scheduler.running:
         assert scheduler.slot_of(request.request_id) is not None
+    # Padding rows: exactly one per slot held by a finished request (static with padding only).
+    held_by_finished = [r for r, _ in states if r is not None and scheduler.get_request(r) is None]
+    pads = config.policy == "static" and config.static_padding and bool(scheduled)
+    assert len(output.padding_seq_lens) == (len(held_by_finished) if pads else 0)
+    assert all(n >= 1 for n in output.padding_seq_lens)
     scheduler.kv_cache_manager.check_integrity()
 
 

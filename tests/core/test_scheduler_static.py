@@ -6,6 +6,7 @@ from backfill.request import FinishReason
 from tests.core.core_factories import (
     FakeRunner,
     assert_all_free,
+    drive,
     expected_output,
     make_request,
     make_requests,
@@ -37,6 +38,35 @@ def test_a_finished_slot_stays_idle_until_the_whole_batch_ends() -> None:
         step(scheduler, runner)
     assert all(r.output_token_ids == expected_output(r) for r in (short, long, late))
     assert_all_free(scheduler)
+
+
+def test_finished_slots_run_growing_padding_rows_until_the_batch_ends() -> None:
+    """A fixed-shape batch keeps computing a finished request's row: one padding row per held
+    slot, its sequence one token longer every step; none once the batch is over, and none with
+    static_padding=False or under the continuous policy."""
+    for padding in (True, False):
+        scheduler = make_scheduler(policy="static", max_num_seqs=3, static_padding=padding)
+        runner = FakeRunner(scheduler.kv_cache_manager.num_blocks, 4)
+        a = make_request("a", prompt_len=5, max_tokens=2)
+        b = make_request("b", prompt_len=3, max_tokens=3)
+        c = make_request("c", prompt_len=4, max_tokens=7)
+        late = make_request("late", max_tokens=2)
+        for request in (a, b, c, late):
+            scheduler.add_request(request)
+        pads = [step(scheduler, runner)[0].padding_seq_lens for _ in range(7)]
+        assert c.is_finished and not late.is_finished
+        if padding:
+            # a (5 + 2 tokens) ends after step 2, b (3 + 3) after step 3; c runs to step 7.
+            assert pads == [[], [], [7], [8, 6], [9, 7], [10, 8], [11, 9]]
+        else:
+            assert pads == [[]] * 7
+        out, _ = step(scheduler, runner)  # the next batch: late alone, no padding
+        assert [s.request_id for s in out.scheduled] == ["late"] and out.padding_seq_lens == []
+        while scheduler.has_unfinished_requests():
+            step(scheduler, runner)
+        assert_all_free(scheduler)
+    continuous = make_scheduler(policy="continuous", max_num_seqs=3)
+    assert all(not o.padding_seq_lens for o in drive(continuous, make_requests(6, max_tokens=3)))
 
 
 def test_batch_prompts_are_chunked_by_the_token_budget() -> None:

@@ -58,6 +58,19 @@ def test_alone_vs_batched_with_preemption(workload, alone) -> None:
     assert llm.engine.num_preemptions_total > 0
 
 
-def test_static_policy_same_outputs(workload, alone) -> None:
-    llm = LLM(dtype="float32", policy="static", max_num_seqs=8, max_num_batched_tokens=512)
+@pytest.mark.parametrize("static_padding", [True, False], ids=["padded", "compact"])
+def test_static_policy_same_outputs(workload, alone, static_padding: bool) -> None:
+    """Static batches, with finished slots computed as padding rows or skipped: same tokens."""
+    llm = LLM(dtype="float32", policy="static", max_num_seqs=8, max_num_batched_tokens=512,
+              static_padding=static_padding)
+    padding_rows: list[int] = []
+    engine_step = llm.engine.step
+
+    def step():  # record every step's padding rows
+        result = engine_step()
+        padding_rows.append(llm.engine.last_step_stats.num_padding_tokens)
+        return result
+
+    llm.engine.step = step  # type: ignore[method-assign]
     _check_together(llm, workload, alone)
+    assert (sum(padding_rows) > 0) == static_padding
