@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -269,9 +269,9 @@ class OpenAIServing:
         return CompletionResponse(id=request_id, created=created, model=self.served_model_name,
                                   choices=choices, usage=usage)
 
-    async def _completion_stream(self, request_id: str, created: int, streams: list[RequestStream],
-                                 prompts: list[_Prompt], params: SamplingParams, echo: bool,
-                                 include_usage: bool) -> AsyncGenerator[str, None]:
+    def _completion_stream(self, request_id: str, created: int, streams: list[RequestStream],
+                           prompts: list[_Prompt], params: SamplingParams, echo: bool,
+                           include_usage: bool) -> AsyncGenerator[str, None]:
         def chunk(index: int, text: str, lp: CompletionLogprobs | None = None,
                   finish: str | None = None) -> str:
             choice = CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish)
@@ -280,7 +280,8 @@ class OpenAIServing:
 
         offsets: dict[int, int] = {}
         num_tokens: dict[int, int] = {}
-        try:
+
+        async def events() -> AsyncGenerator[str, None]:
             if echo:
                 for i, prompt in enumerate(prompts):
                     for k in range(params.n):
@@ -297,17 +298,12 @@ class OpenAIServing:
                                 completion.delta_logprobs or [], params.logprobs, offsets.get(index, 0))
                         if completion.delta_text or completion.finish_reason or (lp and lp.tokens):
                             yield chunk(index, completion.delta_text, lp, completion.finish_reason)
-            if include_usage:
-                usage = self._usage(prompts, sum(num_tokens.values()))
-                yield sse(CompletionResponse(id=request_id, created=created, model=self.served_model_name,
-                                             choices=[], usage=usage))
-            yield SSE_DONE
-        except (EngineStoppedError, EngineDeadError) as error:
-            yield sse(engine_error(error).to_dict())
-            yield SSE_DONE
-        finally:
-            for stream in streams:
-                stream.close()
+
+        def usage_chunk() -> CompletionResponse:
+            return CompletionResponse(id=request_id, created=created, model=self.served_model_name, choices=[],
+                                      usage=self._usage(prompts, sum(num_tokens.values())))
+
+        return self._sse_tail(events(), streams, usage_chunk if include_usage else None)
 
     # ---- /v1/chat/completions ----------------------------------------------------------
 
@@ -358,8 +354,8 @@ class OpenAIServing:
                                         bytes=self.token_text.token_bytes(entry.token_id), top_logprobs=top))
         return ChatLogprobs(content=content)
 
-    async def _chat_stream(self, request_id: str, created: int, stream: RequestStream, prompts: list[_Prompt],
-                           params: SamplingParams, include_usage: bool) -> AsyncGenerator[str, None]:
+    def _chat_stream(self, request_id: str, created: int, stream: RequestStream, prompts: list[_Prompt],
+                     params: SamplingParams, include_usage: bool) -> AsyncGenerator[str, None]:
         def chunk(index: int, delta: dict[str, Any], lp: ChatLogprobs | None = None,
                   finish: str | None = None) -> str:
             choice = ChatStreamChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish)
@@ -367,7 +363,8 @@ class OpenAIServing:
                                            choices=[choice]))
 
         num_tokens: dict[int, int] = {}
-        try:
+
+        async def events() -> AsyncGenerator[str, None]:
             for k in range(params.n):
                 yield chunk(k, {"role": "assistant", "content": ""})
             async for output in stream:
@@ -380,16 +377,32 @@ class OpenAIServing:
                         yield chunk(completion.index, {"content": completion.delta_text}, lp)
                     if completion.finish_reason is not None:
                         yield chunk(completion.index, {}, None, completion.finish_reason)
-            if include_usage:
-                usage = self._usage(prompts, sum(num_tokens.values()))
-                yield sse(ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name,
-                                              choices=[], usage=usage))
+
+        def usage_chunk() -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name, choices=[],
+                                       usage=self._usage(prompts, sum(num_tokens.values())))
+
+        return self._sse_tail(events(), [stream], usage_chunk if include_usage else None)
+
+    @staticmethod
+    async def _sse_tail(events: AsyncGenerator[str, None], streams: list[RequestStream],
+                        usage_chunk: Callable[[], Any] | None) -> AsyncGenerator[str, None]:
+        """`events`, then the usage chunk (when asked for) and `[DONE]`; an engine that stops
+        mid-stream ends it with an error event and `[DONE]`. The request streams are closed
+        however the response ends (a client that hangs up included)."""
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield event
+            if usage_chunk is not None:
+                yield sse(usage_chunk())
             yield SSE_DONE
         except (EngineStoppedError, EngineDeadError) as error:
             yield sse(engine_error(error).to_dict())
             yield SSE_DONE
         finally:
-            stream.close()
+            for stream in streams:
+                stream.close()
 
     # ---- helpers -----------------------------------------------------------------------
 
