@@ -164,8 +164,8 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack_weights(self) -> int:
         """CPU fp32: hold every linear weight, the LM head's included, in oneDNN's packed layout
-        (see backfill/model/prepack.py). A tied head gets a packed copy of the embedding (the
-        lookup still reads the dense one); an untied head's dense weight is dropped.
+        (see backfill/model/prepack.py), beside the dense one. A tied head gets a packed copy of
+        the embedding; an untied head moves into `packed_lm_head` (`lm_head` becomes None).
         Returns the number of matrices packed."""
         count = prepack_linears(self.layers)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [vocab, hidden]

@@ -45,7 +45,7 @@ class ModelRunner:
         self.model = load_model(config.model, self.dtype, self.device)
         if config.prepack_weights and prepack_supported(self.dtype, self.device):
             num_packed = self.model.prepack_weights()
-            logger.info("prepacked %d linear weights for oneDNN", num_packed)
+            logger.info("prepacked %d linear weights for oneDNN (dense copies kept for 1-3 row steps)", num_packed)
         self.model_config = self.model.config
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.block_size = config.block_size
