@@ -67,6 +67,7 @@ class AttentionMetadata:
     query_lens_list: list[int]
     seq_lens_list: list[int]
     block_size: int
+    sliding_window: int | None = None  # each query attends to at most this many positions
     # --- fast path: query-length-1 sequences batched, by length group ---
     num_decode: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
@@ -92,12 +93,15 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    sliding_window: int | None = None,
 ) -> tuple[Tensor, AttentionMetadata]:
     """Flatten one step's sequences into positions [T] int64 and the shared metadata.
 
     Sequence i computes `query_lens[i]` new tokens at positions
     `num_computed_tokens[i] .. num_computed_tokens[i] + query_lens[i] - 1`; its block table
     must cover all of them (it may hold extra trailing blocks, which are ignored).
+    With `sliding_window` W, the query at position p attends to positions p - W + 1 .. p only
+    (the model's ModelConfig.sliding_window).
     """
     num_seqs = len(query_lens)
     assert len(num_computed_tokens) == num_seqs and len(block_tables) == num_seqs
@@ -142,6 +146,7 @@ def build_attention_metadata(
         query_lens_list=list(query_lens),
         seq_lens_list=seq_lens,
         block_size=block_size,
+        sliding_window=sliding_window,
     )
 
     decode_seqs = [i for i in range(num_seqs) if query_lens[i] == 1]
@@ -152,6 +157,9 @@ def build_attention_metadata(
         ids = cpu_tables[torch.tensor(group), :group_blocks]  # [n, group_blocks], 0-padded
         kv_pos = torch.arange(group_blocks * block_size, device=device)  # [L_pad]
         lens = as_tensor([seq_lens[i] for i in group])  # [n]
+        visible = kv_pos[None, :] < lens[:, None]  # [n, L_pad]
+        if sliding_window is not None:  # the query sits at position len - 1
+            visible &= kv_pos[None, :] >= lens[:, None] - sliding_window
         meta.decode_groups.append(
             DecodeGroup(
                 num_seqs=len(group),
@@ -161,7 +169,7 @@ def build_attention_metadata(
                     else as_tensor(rows)  # [n]
                 ),
                 block_ids=ids.reshape(-1).to(device),  # [n * group_blocks]
-                mask=(kv_pos[None, :] < lens[:, None])[:, None, None, :],  # [n, 1, 1, L_pad]
+                mask=visible[:, None, None, :],  # [n, 1, 1, L_pad]
             )
         )
 
@@ -171,10 +179,13 @@ def build_attention_metadata(
         q, seq_len = query_lens[i], seq_lens[i]
         num_blocks = (seq_len + block_size - 1) // block_size
         mask = None
-        if num_computed_tokens[i] > 0:  # chunk after a cached prefix: causal, offset
+        windowed = sliding_window is not None and seq_len > sliding_window
+        if num_computed_tokens[i] > 0 or windowed:  # a chunk after a cached prefix, or a window
             q_pos = torch.arange(num_computed_tokens[i], seq_len, device=device)  # [q]
             kv_pos = torch.arange(seq_len, device=device)  # [seq_len]
             mask = kv_pos[None, :] <= q_pos[:, None]  # [q, seq_len]
+            if windowed:
+                mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
         meta.prefills.append(
             PrefillSpan(
                 token_start=query_start[i],
@@ -333,6 +344,8 @@ def naive_attention(
         scores = torch.einsum("qhd,khd->hqk", qi, k) * scale  # [H, q, L]
         q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)  # [q]
         causal = pos[None, :] <= q_pos[:, None]  # [q, L]
+        if meta.sliding_window is not None:
+            causal &= pos[None, :] > q_pos[:, None] - meta.sliding_window
         scores = scores.masked_fill(~causal[None], float("-inf"))  # [H, q, L]
         probs = torch.softmax(scores, dim=-1)  # [H, q, L]
         out[start : start + num_q] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)  # [q, H, D]

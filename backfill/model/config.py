@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# HF `model_type` values this decoder implements. Mistral is llama without the sliding window
-# (we attend over the full context); qwen2 is llama with a q/k/v bias.
+# HF `model_type` values this decoder implements. Mistral is llama with an optional sliding
+# attention window; qwen2 is llama with a q/k/v bias.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
 # RoPE variants implemented by layers.compute_inv_freq.
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "freq_factors")
@@ -42,6 +42,9 @@ class ModelConfig:
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Each position attends to itself and the sliding_window - 1 positions before it (Mistral
+    # v0.1: 4096); None attends over the whole context.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -53,6 +56,8 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_scaling is not None:
@@ -93,6 +98,10 @@ class ModelConfig:
         )
         bos = d.get("bos_token_id")
         head_dim = d.get("head_dim") or hidden_size // num_heads
+        sliding_window = d.get("sliding_window") if model_type == "mistral" else None
+        if model_type == "qwen2" and d.get("use_sliding_window"):
+            # Qwen2 windows only the layers past max_window_layers: per-layer windows, not built.
+            raise ValueError("use_sliding_window: Qwen2's per-layer sliding window is not supported")
         return cls(
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden_size,
@@ -110,6 +119,7 @@ class ModelConfig:
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
+            sliding_window=None if sliding_window is None else int(sliding_window),
         )
 
     @classmethod

@@ -32,7 +32,11 @@ class Batch:
 
 
 def build_batch(
-    scheduler_output: SchedulerOutput, block_size: int, device: torch.device, scratch_block: int | None = None
+    scheduler_output: SchedulerOutput,
+    block_size: int,
+    device: torch.device,
+    scratch_block: int | None = None,
+    sliding_window: int | None = None,
 ) -> Batch:
     """Build the step's tensors once; every layer reuses them.
 
@@ -61,6 +65,7 @@ def build_batch(
         + [[scratch_block] * -(-n // block_size) for n in padding_lens],  # type: ignore[list-item]
         block_size=block_size,
         device=device,
+        sliding_window=sliding_window,
     )
     return Batch(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),

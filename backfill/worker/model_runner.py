@@ -100,7 +100,8 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
 
-        batch = build_batch(scheduler_output, self.block_size, self.device, self.scratch_block)
+        batch = build_batch(scheduler_output, self.block_size, self.device, self.scratch_block,
+                            self.model_config.sliding_window)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)  # [T, hidden]
         if not batch.sample_request_ids:  # only partial prompt chunks (and padding) this step
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])

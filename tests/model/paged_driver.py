@@ -44,6 +44,7 @@ class PagedDriver:
             [self.block_tables[r] for r, _ in batch],
             self.block_size,
             device,
+            sliding_window=self.model.config.sliding_window,
         )
         input_ids = torch.tensor([t for _, ids in batch for t in ids], device=device)  # [T]
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]

@@ -29,6 +29,7 @@ def make_step(
     block_size: int,
     num_blocks: int,
     seed: int,
+    sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, object, list[list[int]]]:
     """Random non-contiguous block tables (with spare trailing blocks) for one step."""
     rng = random.Random(seed)
@@ -38,7 +39,7 @@ def make_step(
     for nc, q in zip(num_computed, query_lens):
         needed = -(-(nc + q) // block_size) + rng.randint(0, 2)  # some tables over-allocated
         tables.append([free.pop() for _ in range(needed)])
-    positions, meta = build_attention_metadata(num_computed, query_lens, tables, block_size, CPU)
+    positions, meta = build_attention_metadata(num_computed, query_lens, tables, block_size, CPU, sliding_window)
     return positions, meta, tables
 
 
@@ -81,6 +82,32 @@ def test_paged_matches_naive(
     ref = naive_attention(q, k_cache, v_cache, meta, scale)
     assert fast.shape == (num_tokens, num_heads, head_dim) and fast.dtype == dtype
     torch.testing.assert_close(fast.float(), ref.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (8, 2, 16, 5)])
+def test_sliding_window_matches_naive(case: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                                      block_size: int) -> None:
+    """Mistral-style window of 24 positions (shorter than most sequences here), fp32."""
+    window = 24
+    num_computed, query_lens = CASES[case]
+    num_blocks = 800
+    gen = torch.Generator().manual_seed(zlib.crc32(f"window-{case}-{block_size}".encode()))
+    _, meta, tables = make_step(num_computed, query_lens, block_size, num_blocks, seed=5, sliding_window=window)
+    num_tokens = sum(query_lens)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    q = 2 * torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    write_kv(k_cache, v_cache, k, -k, meta.slot_mapping)
+    fast = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    ref = naive_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    torch.testing.assert_close(fast, ref, **TOLERANCE[torch.float32])
+    # The window bites wherever a sequence is longer than it.
+    if max(nc + ql for nc, ql in zip(num_computed, query_lens)) > window:
+        _, full_meta = build_attention_metadata(num_computed, query_lens, tables, block_size, CPU)
+        full = naive_attention(q, k_cache, v_cache, full_meta, head_dim**-0.5)
+        assert not torch.allclose(full, ref, atol=1e-3)
 
 
 def test_paged_reads_this_steps_kv_and_non_contiguous_q() -> None:

@@ -27,6 +27,8 @@ VARIANTS = {
     "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=500000.0, rope_scaling=LLAMA3_ROPE)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1000000.0, num_key_value_heads=4)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, head_dim=16)),
+    # a window shorter than the test's sequences (70, 33 tokens) and its 40-token prefill chunk
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16, head_dim=16)),
 }
 LOGITS_ATOL = 1e-4  # fp32, logits O(1) from a random model
 

@@ -96,6 +96,14 @@ def test_config_from_hf_variants() -> None:
     v5 = ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}})
     assert v5.rope_theta == 1e6 and v5.rope_scaling is None
     assert ModelConfig.from_hf_config({**base, "model_type": "qwen2"}).attention_bias
+    # sliding windows: Mistral's is honoured; llama has none; Qwen2's per-layer one is refused
+    assert ModelConfig.from_hf_config({**base, "model_type": "mistral", "sliding_window": 4096}).sliding_window == 4096
+    assert ModelConfig.from_hf_config({**base, "model_type": "mistral", "sliding_window": None}).sliding_window is None
+    assert c.sliding_window is None and ModelConfig.from_hf_config({**base, "sliding_window": 8}).sliding_window is None
+    qwen_window = {**base, "model_type": "qwen2", "sliding_window": 4096}
+    assert ModelConfig.from_hf_config(qwen_window).sliding_window is None  # use_sliding_window defaults off
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        ModelConfig.from_hf_config({**qwen_window, "use_sliding_window": True})
     with pytest.raises(ValueError, match="model_type"):
         ModelConfig.from_hf_config({**base, "model_type": "gpt2"})
     with pytest.raises(ValueError, match="rope_type"):
