@@ -13,7 +13,7 @@ from typing import Any
 # attention window; qwen2 is llama with a q/k/v bias.
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
 # RoPE variants implemented by layers.compute_inv_freq.
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "freq_factors")
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,9 @@ class ModelConfig:
 
     `rope_scaling` is None for plain RoPE, else a dict with a `rope_type` key:
     `{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}`, `{"rope_type": "linear", "factor"}`, or (from GGUF
+    "original_max_position_embeddings"}`, `{"rope_type": "linear", "factor"}`,
+    `{"rope_type": "yarn", "factor", "original_max_position_embeddings", optional "beta_fast",
+    "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"}`, or (from GGUF
     files, whose converter stores the Llama-3 factors as a tensor)
     `{"rope_type": "freq_factors", "freq_factors": [head_dim // 2 floats]}`.
     """
@@ -148,6 +150,10 @@ class ModelConfig:
             rope_scaling = {"rope_type": "freq_factors", "freq_factors": list(freq_factors)}
         elif key("rope.scaling.type") == "linear":
             rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+        elif key("rope.scaling.type") == "yarn":  # llama.cpp's keys for it
+            rope_scaling = {"rope_type": "yarn", "factor": float(key("rope.scaling.factor"))}
+            if key("rope.scaling.original_context_length") is not None:
+                rope_scaling["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
         elif key("rope.scaling.type") not in (None, "none"):
             raise ValueError(f"GGUF rope scaling {key('rope.scaling.type')!r} is not supported")
         eos = meta.get("tokenizer.ggml.eos_token_id")

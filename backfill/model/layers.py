@@ -67,6 +67,8 @@ def compute_inv_freq(config: ModelConfig) -> Tensor:
         if factors.shape != inv_freq.shape:
             raise ValueError(f"freq_factors has shape {tuple(factors.shape)}, expected {tuple(inv_freq.shape)}")
         return inv_freq / factors
+    if rope_type == "yarn":
+        return _yarn_inv_freq(config, scaling)
     if rope_type == "llama3":
         factor = float(scaling["factor"])
         low_freq_factor = float(scaling["low_freq_factor"])
@@ -84,6 +86,61 @@ def compute_inv_freq(config: ModelConfig) -> Tensor:
     raise ValueError(f"rope_scaling: unsupported rope_type {rope_type!r}")
 
 
+def _yarn_factor(config: ModelConfig, scaling: dict) -> float:
+    # DeepSeek-style configs leave `factor` out: the context extension ratio stands in.
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = config.max_position_embeddings / _yarn_original_len(config, scaling)
+    return float(factor)
+
+
+def _yarn_original_len(config: ModelConfig, scaling: dict) -> float:
+    return float(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
+
+
+def _yarn_inv_freq(config: ModelConfig, scaling: dict) -> Tensor:
+    """YaRN (arXiv 2309.00071): interpolated frequencies for the long wavelengths, the original
+    ones for the short, a linear ramp between; mirrors transformers' `_compute_yarn_parameters`."""
+    dim, base = config.head_dim, config.rope_theta
+    factor = _yarn_factor(config, scaling)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+    original_len = _yarn_original_len(config, scaling)
+
+    def correction_dim(num_rotations: float) -> float:
+        # the dimension whose wavelength fits `num_rotations` times in the original context
+        return (dim * math.log(original_len / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)  # [dim / 2]
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)  # [dim / 2]
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor cos and sin are multiplied by: 1.0 except for YaRN, whose attention
+    temperature is 0.1 ln(factor) + 1 (or the config's `attention_factor` / mscale ratio)."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(config, scaling)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
+    return mscale(factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Per-step cos/sin tables for the rotate-half RoPE layout (the Hugging Face one).
 
@@ -95,6 +152,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.config = config
         self._inv_freq: Tensor | None = None  # [head_dim / 2] fp32, built lazily on the device
+        self.attention_factor = rope_attention_factor(config)  # scales cos and sin (YaRN)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """positions [T] int64 -> (cos [T, 1, head_dim], signed_sin [T, 1, head_dim]).
@@ -107,6 +165,8 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None].to(torch.float32) * self._inv_freq[None, :]  # [T, D/2]
         cos = freqs.cos()  # [T, D/2]
         sin = freqs.sin()  # [T, D/2]
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         cos_full = torch.cat((cos, cos), dim=-1).to(dtype)  # [T, D]
         signed_sin = torch.cat((-sin, sin), dim=-1).to(dtype)  # [T, D]
         return cos_full[:, None, :], signed_sin[:, None, :]

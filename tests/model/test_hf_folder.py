@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backfill.model.config import ModelConfig
-from backfill.model.layers import compute_inv_freq
+from backfill.model.layers import compute_inv_freq, rope_attention_factor
 from backfill.model.loader import load_model
 from tests.model.paged_driver import PagedDriver
 
@@ -21,11 +21,13 @@ SMALL = dict(
     vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
 )
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 VARIANTS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rms_norm_eps=1e-5, rope_theta=10000.0)),
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
     "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=500000.0, rope_scaling=LLAMA3_ROPE)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1000000.0, num_key_value_heads=4)),
+    "qwen2_yarn": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1000000.0, rope_scaling=YARN_ROPE)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, head_dim=16)),
     # a window shorter than the test's sequences (70, 33 tokens) and its 40-token prefill chunk
     "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16, head_dim=16)),
@@ -57,7 +59,7 @@ def test_tiny_folder_logits_match_transformers(kind: str, prepacked: bool, tmp_p
     if prepacked:  # what the ModelRunner runs on CPU in fp32 (q/k/v biases and untied heads too)
         ours.prepack_weights()
     assert ours.config.tie_word_embeddings == (kind == "llama_tied")
-    assert ours.config.attention_bias == (kind == "qwen2")
+    assert ours.config.attention_bias == kind.startswith("qwen2")
     gen = torch.Generator().manual_seed(1)
     # Long enough to pass original_max_position_embeddings (32) for the llama3 variant.
     seqs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (70, 9, 33)]
@@ -78,6 +80,25 @@ def test_tiny_folder_logits_match_transformers(kind: str, prepacked: bool, tmp_p
         expected = ref[rows]  # [n, vocab]
         err = (torch.stack(got[i]) - expected).abs().max().item()
         assert err < LOGITS_ATOL, f"{kind} seq {i}: max |ours - transformers| = {err}"
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"beta_fast": 16, "beta_slow": 2, "truncate": False},
+    {"mscale": 1.0, "mscale_all_dim": 0.5},
+    {"attention_factor": 1.25},
+], ids=["defaults", "betas_untruncated", "mscale", "attention_factor"])
+def test_yarn_inv_freq_and_attention_factor_match_transformers(extra: dict) -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config = LlamaConfig(**{**SMALL, "rope_theta": 10000.0, "rope_scaling": {**YARN_ROPE, **extra}})
+    expected, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config, torch.device("cpu"))
+    config = ModelConfig.from_hf_config(hf_config.to_dict())
+    assert config.rope_scaling is not None and config.rope_scaling["rope_type"] == "yarn"
+    torch.testing.assert_close(compute_inv_freq(config), expected, atol=0, rtol=0)
+    assert rope_attention_factor(config) == pytest.approx(attention_factor, rel=1e-12)
+    assert attention_factor != 1.0
 
 
 def test_llama3_inv_freq_matches_transformers() -> None:

@@ -107,6 +107,22 @@ def test_config_from_hf_variants() -> None:
     with pytest.raises(ValueError, match="model_type"):
         ModelConfig.from_hf_config({**base, "model_type": "gpt2"})
     with pytest.raises(ValueError, match="rope_type"):
-        ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         ModelConfig.from_hf_config({**base, "num_key_value_heads": 3})
+
+
+def test_config_from_gguf_metadata_rope_scaling() -> None:
+    meta = {
+        "general.architecture": "qwen2", "qwen2.embedding_length": 64, "qwen2.attention.head_count": 4,
+        "qwen2.vocab_size": 100, "qwen2.feed_forward_length": 128, "qwen2.block_count": 2,
+        "qwen2.context_length": 131072, "qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
+        "qwen2.rope.scaling.original_context_length": 32768,
+    }
+    c = ModelConfig.from_gguf_metadata(meta, {"blk.0.attn_q.bias"})
+    assert c.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert c.attention_bias and c.max_position_embeddings == 131072
+    linear = ModelConfig.from_gguf_metadata({**meta, "qwen2.rope.scaling.type": "linear"}, set())
+    assert linear.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    with pytest.raises(ValueError, match="longrope"):
+        ModelConfig.from_gguf_metadata({**meta, "qwen2.rope.scaling.type": "longrope"}, set())
