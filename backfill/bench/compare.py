@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 SYSTEMS: tuple[str, ...] = ("continuous", "static", "static_compact", "hf")
 DEFAULT_SYSTEMS: tuple[str, ...] = ("continuous", "static", "hf")
+# What continuous is compared against, in report order.
+BASELINES: tuple[str, ...] = tuple(s for s in SYSTEMS if s != "continuous")
 SYSTEM_LABELS: dict[str, str] = {
     "continuous": "backfill continuous",
     "static": "backfill static",  # fixed-shape batches: a finished slot is still computed
@@ -101,7 +103,7 @@ def compute_ratios(medians: dict[str, dict[str, Any]]) -> dict[str, float | None
     """Throughput ratios (continuous over the others) and tail-latency ratios (others over continuous)."""
     c = medians.get("continuous", {})
     ratios: dict[str, float | None] = {}
-    for other in ("static", "static_compact", "hf"):
+    for other in BASELINES:
         o = medians.get(other)
         if not c or not o:
             continue
@@ -247,7 +249,7 @@ def format_compare(report: dict[str, Any]) -> str:
         lines.append(line)
     ratios = report["ratios"]
     lines.append("")
-    for other in ("static", "static_compact", "hf"):
+    for other in BASELINES:
         key = f"continuous_vs_{other}_output_throughput"
         if ratios.get(key) is not None:
             lines.append(

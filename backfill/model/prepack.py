@@ -20,13 +20,9 @@ of the linear weights (420 MB for the default model; a tied LM head shares the e
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-logger = logging.getLogger(__name__)
 
 # Rows oneDNN is told to expect when it picks the weight blocking (any row count works).
 PACK_BATCH_HINT = 16

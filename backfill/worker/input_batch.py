@@ -27,8 +27,7 @@ class Batch:
     positions: torch.Tensor  # [T] int64
     metadata: AttentionMetadata
     logits_index: torch.Tensor  # [S_sample + P] int64, rows of the hidden states for the LM head
-    sample_request_ids: list[str]  # request id of the first S_sample logits rows, in row order
-    num_padding: int = 0  # P padding rows (LM head computed, nothing sampled)
+    sample_request_ids: list[str]  # request id of the first S_sample logits rows (the P padding rows follow)
 
 
 def build_batch(
@@ -73,5 +72,4 @@ def build_batch(
         metadata=metadata,
         logits_index=torch.tensor(logits_index, dtype=torch.long, device=device),
         sample_request_ids=sample_request_ids,
-        num_padding=len(padding_lens),
     )
