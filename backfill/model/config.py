@@ -151,7 +151,9 @@ class ModelConfig:
         elif key("rope.scaling.type") == "linear":
             rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
         elif key("rope.scaling.type") == "yarn":  # llama.cpp's keys for it
-            rope_scaling = {"rope_type": "yarn", "factor": float(key("rope.scaling.factor"))}
+            rope_scaling = {"rope_type": "yarn"}
+            if key("rope.scaling.factor") is not None:  # else the context extension ratio stands in
+                rope_scaling["factor"] = float(key("rope.scaling.factor"))
             if key("rope.scaling.original_context_length") is not None:
                 rope_scaling["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
         elif key("rope.scaling.type") not in (None, "none"):

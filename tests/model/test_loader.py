@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from backfill.model import loader
 from backfill.model.config import ModelConfig
+from backfill.model.layers import rope_attention_factor
 from backfill.model.loader import default_model_path, resolve_model_path
 
 
@@ -122,6 +124,11 @@ def test_config_from_gguf_metadata_rope_scaling() -> None:
     c = ModelConfig.from_gguf_metadata(meta, {"blk.0.attn_q.bias"})
     assert c.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     assert c.attention_bias and c.max_position_embeddings == 131072
+    no_factor = {k: v for k, v in meta.items() if k != "qwen2.rope.scaling.factor"}
+    assert ModelConfig.from_gguf_metadata(no_factor, set()).rope_scaling == {
+        "rope_type": "yarn", "original_max_position_embeddings": 32768}
+    assert rope_attention_factor(ModelConfig.from_gguf_metadata(no_factor, set())) == pytest.approx(
+        0.1 * math.log(4.0) + 1.0)  # factor: 131072 / 32768
     linear = ModelConfig.from_gguf_metadata({**meta, "qwen2.rope.scaling.type": "linear"}, set())
     assert linear.rope_scaling == {"rope_type": "linear", "factor": 4.0}
     with pytest.raises(ValueError, match="longrope"):
