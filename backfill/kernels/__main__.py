@@ -1,0 +1,17 @@
+"""`python -m backfill.kernels`: build the CPU kernels now (the set-up does), print the ISA."""
+
+from __future__ import annotations
+
+import sys
+
+from backfill.kernels import build
+
+
+def main() -> int:
+    module = build(verbose="-v" in sys.argv)
+    print(f"backfill CPU kernels built; this CPU runs the {module.isa()} kernels")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,17 @@
+// AVX2 + FMA + F16C kernels (x86-64 CPUs since Haswell / Zen). See isa.h.
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+#include "isa.h"
+#include "qgemm.h"
+
+namespace backfill {
+
+bool qgemm_avx2_supports(QType) { return false; }  // TODO: vectorized kernels
+
+void qgemm_avx2(const float* x, int64_t m, int64_t ldx, const QMatrix& w, const float* bias, float* y,
+                int64_t ldy, int64_t n_begin, int64_t n_end) {
+  qgemm_ref(x, m, ldx, w, bias, y, ldy, n_begin, n_end);
+}
+
+}  // namespace backfill
