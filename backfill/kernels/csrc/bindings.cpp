@@ -18,33 +18,80 @@ QMatrix as_qmatrix(const torch::Tensor& w, int64_t qtype, int64_t cols) {
   return QMatrix{w.data_ptr<uint8_t>(), type, w.size(0), cols, row_bytes};
 }
 
-// x [M, K] fp32 (rows may be strided) -> y [M, N] fp32
-torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t cols,
-                      const c10::optional<torch::Tensor>& bias) {
-  const QMatrix q = as_qmatrix(w, qtype, cols);
+PackedMatrix as_packed(const torch::Tensor& packed, int64_t qtype, int64_t rows, int64_t cols) {
+  const QType type = static_cast<QType>(qtype);
+  TORCH_CHECK(block_elems(type) > 0 && cols % block_elems(type) == 0, "bad type ", qtype, " or cols ", cols);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  packed.numel() == packed_bytes(type, rows, cols),
+              "packed weight must be the contiguous uint8 tensor repack() returned");
+  return PackedMatrix{packed.data_ptr<uint8_t>(), type, rows, cols};
+}
+
+// raw [N, row_bytes] uint8 in GGUF layout -> packed uint8 [packed_bytes]
+torch::Tensor repack_weight(const torch::Tensor& raw, int64_t qtype, int64_t cols) {
+  const QMatrix q = as_qmatrix(raw, qtype, cols);
+  torch::Tensor out = torch::empty({packed_bytes(q.type, q.rows, cols)}, torch::kUInt8);
+  repack(q, out.data_ptr<uint8_t>());
+  return out;
+}
+
+// x [M, K] fp32 (rows may be strided) -> y [M, N] fp32; `out` (a [M, N] view with unit inner
+// stride) receives it in place, added to when `accumulate`.
+torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& packed, int64_t qtype, int64_t rows, int64_t cols,
+                      const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& out,
+                      bool accumulate) {
+  const PackedMatrix w = as_packed(packed, qtype, rows, cols);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2, "x must be 2-D fp32 on CPU");
   TORCH_CHECK(x.size(1) == cols && x.stride(1) == 1, "x must be [M, ", cols, "] with unit inner stride");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == q.rows,
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == rows,
                 "bias must be contiguous fp32 [N]");
     b = bias->data_ptr<float>();
   }
-  torch::Tensor y = torch::empty({x.size(0), q.rows}, x.options());
-  if (x.size(0) > 0) qgemm(x.data_ptr<float>(), x.size(0), x.stride(0), q, b, y.data_ptr<float>(), q.rows);
+  torch::Tensor y;
+  if (out.has_value() && out->defined()) {
+    y = *out;
+    TORCH_CHECK(y.scalar_type() == torch::kFloat32 && y.dim() == 2 && y.size(0) == x.size(0) && y.size(1) == rows &&
+                    y.stride(1) == 1,
+                "out must be a [M, N] fp32 view with unit inner stride");
+  } else {
+    TORCH_CHECK(!accumulate, "accumulate needs out");
+    y = torch::empty({x.size(0), rows}, x.options());
+  }
+  if (x.size(0) > 0) packed_gemm(x.data_ptr<float>(), x.size(0), x.stride(0), w, b, y.data_ptr<float>(), y.stride(0), accumulate);
   return y;
 }
 
-// rows [R] int64 (or all rows) -> [R, cols] fp32
-torch::Tensor dequantize(const torch::Tensor& w, int64_t qtype, int64_t cols, const c10::optional<torch::Tensor>& rows) {
-  const QMatrix q = as_qmatrix(w, qtype, cols);
-  torch::Tensor index = rows.has_value() ? rows->contiguous() : torch::arange(q.rows, torch::kInt64);
+torch::Tensor index_or_all(const c10::optional<torch::Tensor>& rows, int64_t num_rows) {
+  torch::Tensor index = rows.has_value() ? rows->contiguous() : torch::arange(num_rows, torch::kInt64);
   TORCH_CHECK(index.scalar_type() == torch::kInt64 && index.dim() == 1, "rows must be 1-D int64");
   if (index.numel() > 0) {
-    TORCH_CHECK(index.min().item<int64_t>() >= 0 && index.max().item<int64_t>() < q.rows, "row index out of range");
+    TORCH_CHECK(index.min().item<int64_t>() >= 0 && index.max().item<int64_t>() < num_rows, "row index out of range");
   }
+  return index;
+}
+
+// Raw GGUF rows [R] int64 (or all rows) -> [R, cols] fp32 (the scalar reference).
+torch::Tensor dequantize(const torch::Tensor& raw, int64_t qtype, int64_t cols, const c10::optional<torch::Tensor>& rows) {
+  const QMatrix q = as_qmatrix(raw, qtype, cols);
+  const torch::Tensor index = index_or_all(rows, q.rows);
   torch::Tensor out = torch::empty({index.numel(), cols}, torch::kFloat32);
-  dequantize_rows(q, index.data_ptr<int64_t>(), index.numel(), out.data_ptr<float>(), cols);
+  const int64_t* ids = index.data_ptr<int64_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, index.numel(), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dequantize_row_ref(q, ids[i], dst + i * cols);
+  });
+  return out;
+}
+
+// Packed rows [R] int64 (or all rows) -> [R, cols] fp32 (embedding lookups).
+torch::Tensor dequantize_packed(const torch::Tensor& packed, int64_t qtype, int64_t rows, int64_t cols,
+                                const c10::optional<torch::Tensor>& row_ids) {
+  const PackedMatrix w = as_packed(packed, qtype, rows, cols);
+  const torch::Tensor index = index_or_all(row_ids, rows);
+  torch::Tensor out = torch::empty({index.numel(), cols}, torch::kFloat32);
+  packed_dequantize_rows(w, index.data_ptr<int64_t>(), index.numel(), out.data_ptr<float>(), cols);
   return out;
 }
 
@@ -57,10 +104,15 @@ void register_decoder(pybind11::module& m);  // decoder.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "backfill CPU kernels: linear layers over GGUF-quantized weights, fused decoder steps";
   m.def("isa", &backfill::active_isa, "instruction set the kernels run with: avx512, avx2 or scalar");
-  m.def("qlinear", &backfill::qlinear, "y = x @ W^T (+ bias) with W as stored (ggml type)",
-        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("qtype"), pybind11::arg("cols"),
-        pybind11::arg("bias") = pybind11::none());
-  m.def("dequantize", &backfill::dequantize, "rows of W as fp32", pybind11::arg("weight"), pybind11::arg("qtype"),
-        pybind11::arg("cols"), pybind11::arg("rows") = pybind11::none());
+  namespace py = pybind11;
+  m.def("repack", &backfill::repack_weight, "raw GGUF rows -> the kernels' packed layout", py::arg("raw"),
+        py::arg("qtype"), py::arg("cols"));
+  m.def("qlinear", &backfill::qlinear, "y = x @ W^T (+ bias) (+ out if accumulate), W packed", py::arg("x"),
+        py::arg("packed"), py::arg("qtype"), py::arg("rows"), py::arg("cols"), py::arg("bias") = py::none(),
+        py::arg("out") = py::none(), py::arg("accumulate") = false);
+  m.def("dequantize", &backfill::dequantize, "raw GGUF rows as fp32 (scalar reference)", py::arg("raw"),
+        py::arg("qtype"), py::arg("cols"), py::arg("rows") = py::none());
+  m.def("dequantize_packed", &backfill::dequantize_packed, "packed rows as fp32", py::arg("packed"),
+        py::arg("qtype"), py::arg("rows"), py::arg("cols"), py::arg("row_ids") = py::none());
   backfill::register_decoder(m);
 }

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
+#include <vector>
 
 #include "isa.h"
 #include "qgemm.h"
@@ -60,17 +61,43 @@ const char* active_isa() {
   return "scalar";
 }
 
-void qgemm(const float* x, int64_t m, int64_t ldx, const QMatrix& w, const float* bias, float* y, int64_t ldy) {
+// NOTE: placeholder packed layout = the GGUF layout itself, run by the reference kernels.
+int64_t packed_bytes(QType type, int64_t rows, int64_t cols) {
+  return rows * (cols / block_elems(type)) * block_bytes(type);
+}
+
+void repack(const QMatrix& raw, uint8_t* out) {
+  std::memcpy(out, raw.data, static_cast<size_t>(raw.rows * raw.row_bytes));
+}
+
+static QMatrix as_raw(const PackedMatrix& w) {
+  return QMatrix{w.data, w.type, w.rows, w.cols, w.cols / block_elems(w.type) * block_bytes(w.type)};
+}
+
+void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& pw, const float* bias, float* y,
+                 int64_t ldy, bool accumulate) {
+  const QMatrix w = as_raw(pw);
   const QgemmFn fn = pick(w.type);
   // Output rows are split between threads in multiples of 16 (a whole SIMD tile each).
   constexpr int64_t kTile = 16;
   const int64_t num_tiles = (w.rows + kTile - 1) / kTile;
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
-    fn(x, m, ldx, w, bias, y, ldy, begin * kTile, std::min(end * kTile, w.rows));
+    const int64_t n0 = begin * kTile, n1 = std::min(end * kTile, w.rows);
+    if (!accumulate) {
+      fn(x, m, ldx, w, bias, y, ldy, n0, n1);
+      return;
+    }
+    std::vector<float> tmp(static_cast<size_t>(m * (n1 - n0)));
+    fn(x, m, ldx, QMatrix{w.data + n0 * w.row_bytes, w.type, n1 - n0, w.cols, w.row_bytes},
+       bias == nullptr ? nullptr : bias + n0, tmp.data(), n1 - n0, 0, n1 - n0);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t n = n0; n < n1; ++n) y[i * ldy + n] += tmp[static_cast<size_t>(i * (n1 - n0) + n - n0)];
   });
 }
 
-void dequantize_rows(const QMatrix& w, const int64_t* rows, int64_t num_rows, float* out, int64_t ld_out) {
+void packed_dequantize_rows(const PackedMatrix& pw, const int64_t* rows, int64_t num_rows, float* out,
+                            int64_t ld_out) {
+  const QMatrix w = as_raw(pw);
   at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) dequantize_row_ref(w, rows[i], out + i * ld_out);
   });

@@ -18,8 +18,31 @@ void qgemm_ref(const float* x, int64_t m, int64_t ldx, const QMatrix& w, const f
 // (detected once at run time; BACKFILL_ISA=avx2|scalar forces a lower one, for tests).
 const char* active_isa();
 
-// Multi-threaded (torch's intra-op pool) dispatching entry points.
-void qgemm(const float* x, int64_t m, int64_t ldx, const QMatrix& w, const float* bias, float* y, int64_t ldy);
-void dequantize_rows(const QMatrix& w, const int64_t* rows, int64_t num_rows, float* out, int64_t ld_out);
+// ---------------------------------------------------------------------------------------------
+// The fast path: weights re-laid-out once at load time ("packed": same blocks, same bits per
+// weight, interleaved so a SIMD register holds one weight of each of 16 output rows), then read
+// as stored by every step. The packed layout is private to these kernels.
+
+// A packed matrix: `rows` output features (N), `cols` input features (K), of `type`.
+struct PackedMatrix {
+  const uint8_t* data;
+  QType type;
+  int64_t rows;
+  int64_t cols;
+};
+
+// Bytes the packed form of a [rows, cols] matrix of `type` takes.
+int64_t packed_bytes(QType type, int64_t rows, int64_t cols);
+// raw: rows x w.row_bytes in GGUF layout -> out: packed_bytes(...) bytes.
+void repack(const QMatrix& raw, uint8_t* out);
+
+// y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T (+ bias[N]) (+ y if accumulate).
+// Multi-threaded over torch's intra-op pool. Batch invariant: y[i, n] does not depend on M,
+// on the other rows of x, on the thread count or on the ISA.
+void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, const float* bias, float* y,
+                 int64_t ldy, bool accumulate);
+// out[i, :] = row rows[i] of W as fp32 (bit-exact with dequantize_row_ref).
+void packed_dequantize_rows(const PackedMatrix& w, const int64_t* rows, int64_t num_rows, float* out,
+                            int64_t ld_out);
 
 }  // namespace backfill
