@@ -18,6 +18,7 @@ import re
 import struct
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from backfill.model.config import ModelConfig
 from backfill.model.llama import LlamaForCausalLM
+from backfill.model.quant import F32, KERNEL_TYPES, QuantSegment, QuantWeight, as_raw_rows, dequantize_raw, merge_segments
 
 logger = logging.getLogger(__name__)
 
@@ -299,21 +301,36 @@ def _copy_unpermuted(dst: Tensor, w: Tensor, num_heads: int) -> None:
     dst.view(num_heads, 2, half, *w.shape[1:]).copy_(src)
 
 
-def _read_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, Tensor]]:
-    """Config and our state dict from a GGUF file; every tensor is dequantized to fp32 once
-    and copied (cast) straight into its final, possibly fused, buffer."""
+def _read_gguf(path: str, dtype: torch.dtype, as_stored: bool = False) -> tuple[ModelConfig, dict[str, Any]]:
+    """Config and our state dict from a GGUF file.
+
+    Dense (`as_stored=False`, the reference): every tensor is dequantized to fp32 once and
+    copied (cast) straight into its final, possibly fused, buffer. `as_stored=True`: the
+    matrices (linear weights, embedding, LM head) become `QuantWeight`s over the file's own
+    blocks, fused by stacking rows (see quant.py); norms and biases are dense.
+    """
     from gguf.constants import GGMLQuantizationType
-    from gguf.quants import dequantize
 
     gguf_file = _GGUFFile(path)
     infos = {info.name: info for info in gguf_file.tensors}
 
     def fp32(name: str) -> Tensor:
         info = infos.pop(name)
-        array = dequantize(gguf_file.tensor_data(info), GGMLQuantizationType(info.ggml_type))
-        if not array.flags.writeable:  # F32 tensors come back as views of the read-only map
-            array = array.copy()
-        return torch.from_numpy(array)  # [rows, cols] float32 (HF layout: [out, in])
+        return dequantize_raw(gguf_file.tensor_data(info), info.ggml_type)  # [rows, cols] (HF: [out, in]) or [n]
+
+    def stored(name: str) -> QuantSegment:
+        info = infos[name]
+        if info.ggml_type not in KERNEL_TYPES:  # no kernel reads it as stored: expand once
+            logger.debug("%s: %s has no CPU kernel; expanded to F32", name, GGMLQuantizationType(info.ggml_type).name)
+            return QuantSegment(as_raw_rows(fp32(name).numpy(), F32), F32)
+        infos.pop(name)
+        return QuantSegment(as_raw_rows(gguf_file.tensor_data(info), info.ggml_type), info.ggml_type)
+
+    def matrix(name: str) -> Any:  # [rows, cols] as stored or dense
+        if as_stored:
+            cols = infos[name].dims[0]
+            return QuantWeight([stored(name)], cols)
+        return fp32(name).to(dtype)
 
     meta = gguf_file.metadata
     arch = meta["general.architecture"]
@@ -323,16 +340,37 @@ def _read_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, Te
     # llama.cpp permutes q/k for its rope layout only for the llama architecture (qwen2 is
     # stored in the rotate-half "neox" layout already).
     permuted = arch in ("llama", "mistral")
+
+    def unpermuted(rows: Tensor, num_heads: int) -> Tensor:  # [H * D, ...] any dtype
+        if not permuted:
+            return rows
+        out = torch.empty_like(rows)
+        _copy_unpermuted(out, rows, num_heads)
+        return out
+
     num_q, num_kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    state: dict[str, Tensor] = {}
+    state: dict[str, Any] = {}
     for gguf_name, ours in _GGUF_TOP_NAMES.items():
         if gguf_name in infos:
-            state[ours] = fp32(gguf_name).to(dtype)
+            state[ours] = fp32(gguf_name).to(dtype) if gguf_name == "output_norm.weight" else matrix(gguf_name)
     for i in range(config.num_layers):
         blk, pre = f"blk.{i}.", f"layers.{i}."
         for gguf_name, ours in _GGUF_LAYER_NAMES.items():
-            state[pre + ours] = fp32(blk + gguf_name).to(dtype)
-        for kind in ("weight", "bias") if config.attention_bias else ("weight",):
+            name = blk + gguf_name
+            state[pre + ours] = matrix(name) if ours.endswith("proj.weight") else fp32(name).to(dtype)
+        heads = {"q": config.num_heads, "k": config.num_kv_heads, "v": 0}
+        if as_stored:
+            parts = []
+            for x, num_heads in heads.items():
+                part = stored(f"{blk}attn_{x}.weight")
+                raw = unpermuted(part.raw, num_heads) if num_heads else part.raw
+                parts.append(QuantSegment(raw, part.qtype))
+            state[f"{pre}self_attn.qkv_proj.weight"] = QuantWeight(merge_segments(parts), config.hidden_size)
+            gate, up = stored(blk + "ffn_gate.weight"), stored(blk + "ffn_up.weight")
+            state[pre + "mlp.gate_up_proj.weight"] = QuantWeight(merge_segments([gate, up]), config.hidden_size)
+        for kind in ("bias",) if as_stored else ("weight", "bias"):
+            if kind == "bias" and not config.attention_bias:
+                continue
             q = fp32(f"{blk}attn_q.{kind}")  # [H * D, ...]
             k = fp32(f"{blk}attn_k.{kind}")  # [Hkv * D, ...]
             qkv = torch.empty((num_q + 2 * num_kv, *q.shape[1:]), dtype=dtype)  # [(H + 2 Hkv) * D, ...]
@@ -343,11 +381,12 @@ def _read_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, Te
                 qkv[:num_q].copy_(q)
                 qkv[num_q : num_q + num_kv].copy_(k)
             qkv[num_q + num_kv :].copy_(fp32(f"{blk}attn_v.{kind}"))
-            state[f"{pre}self_attn.qkv_proj.{kind}"] = qkv
-        gate_up = torch.empty((2 * config.intermediate_size, config.hidden_size), dtype=dtype)  # [2I, hidden]
-        gate_up[: config.intermediate_size].copy_(fp32(blk + "ffn_gate.weight"))
-        gate_up[config.intermediate_size :].copy_(fp32(blk + "ffn_up.weight"))
-        state[pre + "mlp.gate_up_proj.weight"] = gate_up
+            state[f"{pre}self_attn.qkv_proj.{kind}"] = qkv.reshape(-1) if kind == "bias" else qkv
+        if not as_stored:
+            gate_up = torch.empty((2 * config.intermediate_size, config.hidden_size), dtype=dtype)  # [2I, hidden]
+            gate_up[: config.intermediate_size].copy_(fp32(blk + "ffn_gate.weight"))
+            gate_up[config.intermediate_size :].copy_(fp32(blk + "ffn_up.weight"))
+            state[pre + "mlp.gate_up_proj.weight"] = gate_up
     if infos:
         raise ValueError(f"{path}: unexpected tensors {sorted(infos)[:8]}")
     return config, state
