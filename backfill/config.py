@@ -8,6 +8,10 @@ from typing import Literal
 Policy = Literal["continuous", "static"]
 POLICIES: tuple[str, ...] = ("continuous", "static")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+# Weight storage (see backfill/model/quant.py): "auto" reads a GGUF's matrices as stored and a
+# Hugging Face folder's as fp32, "none" expands everything to `dtype` (the reference path),
+# "int8" / "fp16" store the matrices weight-only in Q8_0 blocks / fp16.
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "fp16")
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's own context length
+    # What is computed in what precision: `dtype` is the activations' (and the KV cache's),
+    # `quantization` the weights' storage. On CPU the weights-as-stored kernels compute in fp32.
     dtype: str = "auto"  # auto: bfloat16 where the device computes it natively, else float32
+    quantization: str = "auto"
     device: str = "cpu"
     seed: int = 0  # seeds the unseeded sampling stream, so a whole run is reproducible
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
@@ -53,5 +60,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

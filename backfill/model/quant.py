@@ -24,7 +24,6 @@ from torch import Tensor
 # in a file (Q5_x, Q2_K/Q3_K/Q5_K, IQ*, BF16) is expanded to F32 at load time.
 F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 0, 1, 2, 3, 8, 12, 14
 KERNEL_TYPES: frozenset[int] = frozenset({F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K})
-QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "fp16")
 
 
 def type_name(qtype: int) -> str:
