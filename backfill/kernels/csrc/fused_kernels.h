@@ -1,0 +1,58 @@
+// The decoder step's non-GEMM kernels (attention over the paged KV cache, RMSNorm, SiLU*mul),
+// written once in fused_kernels_impl.h over a SIMD width W and compiled per instruction set
+// (fused_kernels_avx512.cpp, fused_kernels_avx2.cpp, fused_kernels_sse.cpp). Like isa.h,
+// this header includes no torch or STL headers: see isa.h for the ODR reason.
+#pragma once
+
+#include <cstdint>
+
+namespace backfill {
+
+// Geometry of one layer's attention: KV cache [num_blocks, block_size, num_kv_heads, head_dim]
+// fp32, contiguous; query head h reads KV head h / group.
+struct AttentionShape {
+  int64_t num_kv_heads;
+  int64_t head_dim;
+  int64_t group;  // query heads per KV head
+  int64_t block_size;
+  float scale;     // softmax scale applied to q.k
+  int64_t window;  // sliding window (a query at p sees p - window + 1 .. p); 0: none
+};
+
+// One unit of attention work: up to kAttentionTileQueries consecutive query tokens of one
+// sequence against one KV head (all `group` query heads of it).
+struct AttentionTile {
+  int64_t token;  // flat-batch row of the first query
+  int64_t pos;    // its position in the sequence (the rows after it are pos + 1, pos + 2, ...)
+  int64_t num_q;  // query tokens in the tile
+  int64_t kv_head;
+  const int64_t* block_table;  // the sequence's block ids (covers positions 0 .. pos + num_q - 1)
+};
+
+// Query tokens per tile: a decode is a tile of one; a prompt chunk is cut into tiles of this
+// many tokens (fixed, so a sequence's arithmetic never depends on its companions).
+constexpr int64_t kAttentionTileQueries = 16;
+// Keys per inner tile (the scores of one query row against them fill one or more SIMD registers).
+constexpr int64_t kAttentionTileKeys = 16;
+
+struct DecoderKernels {
+  const char* name;
+  int64_t lanes;  // SIMD width W in floats; attention_tile needs head_dim % lanes == 0
+  // floats of per-thread scratch attention_tile needs for tiles of up to kAttentionTileQueries
+  int64_t (*attention_scratch)(const AttentionShape& shape);
+  // out rows (token .. token + num_q) x heads of kv_head = softmax(q k^T * scale) v, causal
+  // (and windowed) by position. q: row t at q + t * ldq, heads [H][D]; out likewise with ldo.
+  void (*attention_tile)(const AttentionShape& shape, const AttentionTile& tile, const float* q, int64_t ldq,
+                         const float* k_cache, const float* v_cache, float* out, int64_t ldo, float* scratch);
+  // y[n] = x[n] / sqrt(mean(x^2) + eps) * w[n] (statistics in fp32, fixed summation order)
+  void (*rms_norm)(const float* x, const float* w, float eps, int64_t n, float* y);
+  // y[n] = silu(gate[n]) * up[n]
+  void (*silu_mul)(const float* gate, const float* up, int64_t n, float* y);
+};
+
+// One table per variant; the dispatcher (decoder.cpp) picks by the CPU and head_dim.
+const DecoderKernels& decoder_kernels_avx512();  // W = 16
+const DecoderKernels& decoder_kernels_avx2();    // W = 8
+const DecoderKernels& decoder_kernels_sse();     // W = 4 (x86-64 baseline: SSE2)
+
+}  // namespace backfill

@@ -1,0 +1,16 @@
+// Baseline x86-64 (SSE2) build of the decoder kernels (W = 4), for CPUs without AVX2 and for
+// head_dim not a multiple of 8. See fused_kernels_impl.h.
+#include <cstdint>
+
+namespace backfill {
+namespace {
+typedef float vf __attribute__((vector_size(16)));
+typedef int32_t vi __attribute__((vector_size(16)));
+inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }  // no FMA in the baseline: two roundings
+}  // namespace
+}  // namespace backfill
+
+#define BF_LANES 4
+#define BF_TABLE decoder_kernels_sse
+#define BF_NAME "sse"
+#include "fused_kernels_impl.h"
