@@ -31,9 +31,10 @@ struct AttentionTile {
 
 // Query tokens per tile: a decode is a tile of one; a prompt chunk is cut into tiles of this
 // many tokens (fixed, so a sequence's arithmetic never depends on its companions).
-constexpr int64_t kAttentionTileQueries = 16;
-// Keys per inner tile (the scores of one query row against them fill one or more SIMD registers).
-constexpr int64_t kAttentionTileKeys = 16;
+// 64 tokens x G heads share each K/V tile read (and its transposition).
+constexpr int64_t kAttentionTileQueries = 64;
+// Keys per inner tile: one online-softmax update (max, exp, rescale) per row per 64 keys.
+constexpr int64_t kAttentionTileKeys = 64;
 
 struct DecoderKernels {
   const char* name;

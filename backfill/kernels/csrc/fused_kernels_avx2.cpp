@@ -9,6 +9,7 @@ namespace {
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
 inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+inline vf splat(float s) { return (vf)_mm256_set1_ps(s); }
 }  // namespace
 }  // namespace backfill
 

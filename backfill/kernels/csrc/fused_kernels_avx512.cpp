@@ -9,6 +9,7 @@ namespace {
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
 inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+inline vf splat(float s) { return (vf)_mm512_set1_ps(s); }
 }  // namespace
 }  // namespace backfill
 

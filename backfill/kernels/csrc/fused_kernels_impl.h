@@ -1,6 +1,8 @@
 // The decoder's non-GEMM kernels over a SIMD width W (GCC vector extensions), included once by
 // each ISA translation unit after it defines BF_LANES, BF_TABLE (the table's function name),
-// BF_NAME and `vf fmadd(vf a, vf b, vf c)` (a * b + c, fused where the ISA has FMA).
+// BF_NAME, `vf fmadd(vf a, vf b, vf c)` (a * b + c, fused where the ISA has FMA) and
+// `vf splat(float s)` (a broadcast; NOTE: `vf{} + s` costs an add, since 0 + -0 is +0, and a
+// lane-by-lane loop compiles to one masked broadcast per lane).
 // Everything here has internal linkage, so each unit keeps its own copies (see isa.h).
 // No include guard on purpose: one inclusion per unit.
 
@@ -23,11 +25,28 @@ inline vf load(const float* p) {
   return v;
 }
 inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
-inline vf splat(float s) { return vf{} + s; }
 inline float hsum(vf v) {  // fixed left-to-right order
   float s = v[0];
   for (int64_t i = 1; i < W; ++i) s += v[i];
   return s;
+}
+// Lane permutations i -> i ^ h for h = W/2, W/4, ..., 1 (constants: built at compile time).
+struct SwapMasks {
+  int32_t lanes[5][W];
+  constexpr SwapMasks() : lanes{} {
+    for (int64_t k = 0, h = W / 2; h >= 1; ++k, h /= 2)
+      for (int64_t i = 0; i < W; ++i) lanes[k][i] = static_cast<int32_t>(i ^ h);
+  }
+};
+constexpr SwapMasks kSwapMasks{};
+
+inline float hsum_tree(vf v) {  // pairwise: log2(W) shuffles and adds
+  for (int64_t k = 0, h = W / 2; h >= 1; ++k, h /= 2) {
+    vi swap;
+    __builtin_memcpy(&swap, kSwapMasks.lanes[k], sizeof swap);
+    v += __builtin_shuffle(v, swap);
+  }
+  return v[0];
 }
 inline float hmax(vf v) {
   float m = v[0];
@@ -96,44 +115,77 @@ int64_t attention_scratch(const AttentionShape& s) {
   return rows * d + d * BK + rows * BK + rows * d + 2 * rows;
 }
 
-// scores[r][0:BK] = Q[r] . K^T tile, NR rows at a time so each K^T load feeds NR FMAs.
+// Accumulator registers a register block may hold (AVX-512 has 32 vector registers, others 16).
+constexpr int64_t kAccRegs = W >= 16 ? 16 : 8;
+// Key-tile registers per score block, and query rows per block (each K^T load feeds SR FMAs).
+constexpr int64_t NVS = NV < 4 ? NV : 4;
+constexpr int64_t SR = kAccRegs / NVS;
+// Tiles of at most this many rows (query tokens x G) compute scores key by key.
+constexpr int64_t kDirectRows = 8;
+// How far ahead (in keys) the direct path prefetches K/V rows.
+constexpr int64_t kPrefetchKeys = 8;
+
+// scores[r][0:BK] = Q[r] . K^T tile for NR rows, NVS registers of keys at a time.
 template <int64_t NR>
 inline void score_rows(const float* q, int64_t d_len, const float* kt, float* scores) {
-  vf acc[NR][NV];
-  for (int64_t r = 0; r < NR; ++r)
-    for (int64_t v = 0; v < NV; ++v) acc[r][v] = vf{};
-  for (int64_t d = 0; d < d_len; ++d) {
-    vf k[NV];
-    for (int64_t v = 0; v < NV; ++v) k[v] = load(kt + d * BK + v * W);
-    for (int64_t r = 0; r < NR; ++r) {
-      const vf qs = splat(q[r * d_len + d]);
-      for (int64_t v = 0; v < NV; ++v) acc[r][v] = fmadd(qs, k[v], acc[r][v]);
+  for (int64_t v0 = 0; v0 < NV; v0 += NVS) {
+    vf acc[NR][NVS];
+    for (int64_t r = 0; r < NR; ++r)
+      for (int64_t v = 0; v < NVS; ++v) acc[r][v] = vf{};
+    for (int64_t d = 0; d < d_len; ++d) {
+      vf k[NVS];
+      for (int64_t v = 0; v < NVS; ++v) k[v] = load(kt + d * BK + (v0 + v) * W);
+      for (int64_t r = 0; r < NR; ++r) {
+        const vf qs = splat(q[r * d_len + d]);
+        for (int64_t v = 0; v < NVS; ++v) acc[r][v] = fmadd(qs, k[v], acc[r][v]);
+      }
     }
+    for (int64_t r = 0; r < NR; ++r)
+      for (int64_t v = 0; v < NVS; ++v) store(scores + r * BK + (v0 + v) * W, acc[r][v]);
   }
-  for (int64_t r = 0; r < NR; ++r)
-    for (int64_t v = 0; v < NV; ++v) store(scores + r * BK + v * W, acc[r][v]);
 }
 
-// o[0:D] += sum_j p[j] * v_rows[j][0:D] for two rows at once (each V load feeds two FMAs).
-inline void accumulate_pv2(const float* p0, const float* p1, const float* const* v_rows, int64_t d_len, float* o0,
-                           float* o1) {
+// o[r][0:DV*W] += sum_j p[r][j] * v_rows[j][0:DV*W] for NR rows: the rows' slices of O stay in
+// registers over the whole key tile, each V load feeds NR FMAs.
+template <int64_t DV, int64_t NR>
+inline void pv_block(const float* p, const float* const* v_rows, int64_t x0, float* o, int64_t d_len) {
+  vf acc[NR][DV];
+  for (int64_t r = 0; r < NR; ++r)
+    for (int64_t x = 0; x < DV; ++x) acc[r][x] = load(o + r * d_len + x0 + x * W);
   for (int64_t j = 0; j < BK; ++j) {
-    if (p0[j] == 0.0f && p1[j] == 0.0f) continue;  // masked or outside the range (v_rows[j] may be null)
-    const vf a = splat(p0[j]), b = splat(p1[j]);
-    const float* vj = v_rows[j];
-    for (int64_t x = 0; x < d_len; x += W) {
-      const vf v = load(vj + x);
-      store(o0 + x, fmadd(a, v, load(o0 + x)));
-      store(o1 + x, fmadd(b, v, load(o1 + x)));
+    if (v_rows[j] == nullptr) continue;  // outside the tile's key range: p is 0 for every row
+    vf v[DV];
+    for (int64_t x = 0; x < DV; ++x) v[x] = load(v_rows[j] + x0 + x * W);
+    for (int64_t r = 0; r < NR; ++r) {
+      const vf pr = splat(p[r * BK + j]);
+      for (int64_t x = 0; x < DV; ++x) acc[r][x] = fmadd(pr, v[x], acc[r][x]);
     }
   }
+  for (int64_t r = 0; r < NR; ++r)
+    for (int64_t x = 0; x < DV; ++x) store(o + r * d_len + x0 + x * W, acc[r][x]);
 }
-inline void accumulate_pv1(const float* p0, const float* const* v_rows, int64_t d_len, float* o0) {
-  for (int64_t j = 0; j < BK; ++j) {
-    if (p0[j] == 0.0f) continue;
-    const vf a = splat(p0[j]);
-    const float* vj = v_rows[j];
-    for (int64_t x = 0; x < d_len; x += W) store(o0 + x, fmadd(a, load(vj + x), load(o0 + x)));
+
+template <int64_t DV>
+inline void pv_rows(const float* p, const float* const* v_rows, int64_t x0, float* o, int64_t d_len, int64_t rows) {
+  constexpr int64_t NR = kAccRegs / DV > 0 ? kAccRegs / DV : 1;
+  int64_t r = 0;
+  for (; r + NR <= rows; r += NR) pv_block<DV, NR>(p + r * BK, v_rows, x0, o + r * d_len, d_len);
+  for (; r < rows; ++r) pv_block<DV, 1>(p + r * BK, v_rows, x0, o + r * d_len, d_len);
+}
+
+// O[rows, D] += P[rows, BK] . V tile, D cut into slices of at most 8 registers.
+inline void accumulate_pv(const float* p, const float* const* v_rows, float* o, int64_t d_len, int64_t rows) {
+  for (int64_t x0 = 0; x0 < d_len; x0 += 8 * W) {
+    switch ((d_len - x0) / W >= 8 ? 8 : (d_len - x0) / W) {
+      case 1: pv_rows<1>(p, v_rows, x0, o, d_len, rows); break;
+      case 2: pv_rows<2>(p, v_rows, x0, o, d_len, rows); break;
+      case 3: pv_rows<3>(p, v_rows, x0, o, d_len, rows); break;
+      case 4: pv_rows<4>(p, v_rows, x0, o, d_len, rows); break;
+      case 5: pv_rows<5>(p, v_rows, x0, o, d_len, rows); break;
+      case 6: pv_rows<6>(p, v_rows, x0, o, d_len, rows); break;
+      case 7: pv_rows<7>(p, v_rows, x0, o, d_len, rows); break;
+      default: pv_rows<8>(p, v_rows, x0, o, d_len, rows); break;
+    }
   }
 }
 
@@ -164,23 +216,51 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
   const int64_t last = t.pos + t.num_q - 1;
   const int64_t first = s.window > 0 && t.pos - s.window + 1 > 0 ? t.pos - s.window + 1 : 0;
   const float* v_rows[BK];
+  auto slot_offset = [&](int64_t p) {  // floats from the cache start to position p's token
+    return (t.block_table[p / s.block_size] * s.block_size + p % s.block_size) * kv_stride;
+  };
   for (int64_t kb = first / BK * BK; kb <= last; kb += BK) {
-    for (int64_t j = 0; j < BK; ++j) {
-      const int64_t p = kb + j;
-      if (p < first || p > last) {  // never read: no row sees it (its score is masked below)
-        v_rows[j] = nullptr;
-        for (int64_t d = 0; d < d_len; ++d) kt[d * BK + j] = 0.0f;
-        continue;
-      }
-      const int64_t slot = t.block_table[p / s.block_size] * s.block_size + p % s.block_size;
-      const int64_t offset = slot * kv_stride + t.kv_head * d_len;
-      const float* k_row = k_cache + offset;
-      v_rows[j] = v_cache + offset;
-      for (int64_t d = 0; d < d_len; ++d) kt[d * BK + j] = k_row[d];
-    }
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) score_rows<4>(qt + r * d_len, d_len, kt, probs + r * BK);
-    for (; r < rows; ++r) score_rows<1>(qt + r * d_len, d_len, kt, probs + r * BK);
+    if (rows <= kDirectRows) {  // few rows (decodes): dot each key in place, no transposition
+      for (int64_t j = 0; j < BK; ++j) {
+        const int64_t p = kb + j;
+        if (p < first || p > last) {  // never read: no row sees it (its score is masked below)
+          v_rows[j] = nullptr;
+          continue;
+        }
+        const int64_t offset = slot_offset(p) + t.kv_head * d_len;
+        const float* k_row = k_cache + offset;
+        v_rows[j] = v_cache + offset;
+        if (p + kPrefetchKeys <= last) {  // K and V rows a few keys ahead: hide memory latency
+          const int64_t ahead = slot_offset(p + kPrefetchKeys) + t.kv_head * d_len;
+          for (int64_t x = 0; x < d_len; x += 16) {
+            __builtin_prefetch(k_cache + ahead + x);
+            __builtin_prefetch(v_cache + ahead + x);
+          }
+        }
+        for (r = 0; r < rows; ++r) {
+          const float* qr = qt + r * d_len;
+          vf dot{};
+          for (int64_t x = 0; x < d_len; x += W) dot = fmadd(load(qr + x), load(k_row + x), dot);
+          probs[r * BK + j] = hsum_tree(dot);
+        }
+      }
+    } else {  // K^T tile, then a register-blocked Q . K^T
+      for (int64_t j = 0; j < BK; ++j) {
+        const int64_t p = kb + j;
+        if (p < first || p > last) {
+          v_rows[j] = nullptr;
+          for (int64_t d = 0; d < d_len; ++d) kt[d * BK + j] = 0.0f;
+          continue;
+        }
+        const int64_t offset = slot_offset(p) + t.kv_head * d_len;
+        const float* k_row = k_cache + offset;
+        v_rows[j] = v_cache + offset;
+        for (int64_t d = 0; d < d_len; ++d) kt[d * BK + j] = k_row[d];
+      }
+      for (; r + SR <= rows; r += SR) score_rows<SR>(qt + r * d_len, d_len, kt, probs + r * BK);
+      for (; r < rows; ++r) score_rows<1>(qt + r * d_len, d_len, kt, probs + r * BK);
+    }
 
     // Mask by position, then the online-softmax update of each row.
     for (r = 0; r < rows; ++r) {
@@ -189,26 +269,27 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
       float* pr = probs + r * BK;
       vf sc[NV];
       vi valid[NV];
-      float tile_max = kNegInf;
+      vf vmax = splat(kNegInf);
       for (int64_t v = 0; v < NV; ++v) {
         const vi k_pos = iota() + static_cast<int32_t>(kb + v * W);
         valid[v] = (k_pos >= vi{} + static_cast<int32_t>(lo)) & (k_pos <= vi{} + static_cast<int32_t>(q_pos));
         sc[v] = valid[v] ? load(pr + v * W) : splat(kNegInf);
-        const float m = hmax(sc[v]);
-        tile_max = m > tile_max ? m : tile_max;
+        vmax = sc[v] > vmax ? sc[v] : vmax;
       }
+      const float tile_max = hmax(vmax);
       if (tile_max == kNegInf) {  // this row sees no key of the tile
         for (int64_t j = 0; j < BK; ++j) pr[j] = 0.0f;
         continue;
       }
       const float old_max = row_max[r];
       const float new_max = old_max > tile_max ? old_max : tile_max;
-      float tile_sum = 0.0f;
+      vf vsum{};
       for (int64_t v = 0; v < NV; ++v) {
         const vf pv = valid[v] ? vexp(sc[v] - splat(new_max)) : vf{};
         store(pr + v * W, pv);
-        tile_sum += hsum(pv);
+        vsum += pv;
       }
+      const float tile_sum = hsum(vsum);
       if (old_max != new_max && old_max != kNegInf) {
         const float alpha = vexp(splat(old_max - new_max))[0];
         row_sum[r] *= alpha;
@@ -218,9 +299,7 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
       row_sum[r] += tile_sum;
       row_max[r] = new_max;
     }
-    for (r = 0; r + 2 <= rows; r += 2)
-      accumulate_pv2(probs + r * BK, probs + (r + 1) * BK, v_rows, d_len, acc + r * d_len, acc + (r + 1) * d_len);
-    if (r < rows) accumulate_pv1(probs + r * BK, v_rows, d_len, acc + r * d_len);
+    accumulate_pv(probs, v_rows, acc, d_len, rows);
   }
 
   for (int64_t i = 0; i < t.num_q; ++i) {
