@@ -107,3 +107,25 @@ def test_rejects_out_of_range_block() -> None:
     meta.block_tables[0, 0] = k_cache.shape[0]  # one past the last block
     with pytest.raises(RuntimeError, match="out of range"):
         fused(q, k_cache, v_cache, meta)
+
+
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (8, 1)])
+def test_long_chunk_spans_tiles(num_heads: int, num_kv_heads: int, window: int | None) -> None:
+    """A 300-token chunk after 290 cached tokens: several query tiles (128 tokens at G = 3, 64
+    at G = 8) and ~10 key tiles each, beside two decodes."""
+    from backfill.model.attention import build_attention_metadata
+
+    num_computed, query_lens, block_size, head_dim = [290, 40, 7], [300, 1, 1], 16, 32
+    gen = torch.Generator().manual_seed(11)
+    tables, next_block = [], 0
+    for nc, q in zip(num_computed, query_lens):
+        n = -(-(nc + q) // block_size)
+        tables.append(list(range(next_block + n - 1, next_block - 1, -1)))  # reversed: non-contiguous reads
+        next_block += n
+    _, meta = build_attention_metadata(num_computed, query_lens, tables, block_size, torch.device("cpu"), window)
+    shape = (next_block, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)  # [blocks, bs, Hkv, D]
+    q = 2 * torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)  # [T, H, D]
+    expected = naive_attention(q, k_cache, v_cache, meta, head_dim**-0.5)  # [T, H, D]
+    torch.testing.assert_close(fused(q, k_cache, v_cache, meta, window), expected, atol=ATOL, rtol=0)

@@ -1,5 +1,5 @@
 // Paged attention of one step on the CPU: the step's sequences cut into tiles (a decode is one
-// tile; a prompt chunk one tile per kAttentionTileQueries tokens, per KV head), run over torch's
+// tile; a prompt chunk one tile per attention_tile_queries(G) tokens, per KV head), run over torch's
 // intra-op pool with dynamic scheduling. Shared by the fused decoder and its own binding.
 #include "attention_cpu.h"
 
@@ -41,9 +41,9 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
     const int64_t* table = meta.block_tables + s * meta.max_blocks;
     for (int64_t b = 0; b < blocks_needed; ++b)
       TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", s, ": block id ", table[b], " out of range");
-    const int64_t pos0 = seq_len - num_q;
-    for (int64_t i = 0; i < num_q; i += kAttentionTileQueries) {
-      const int64_t n = std::min(kAttentionTileQueries, num_q - i);
+    const int64_t pos0 = seq_len - num_q, tile_queries = attention_tile_queries(shape.group);
+    for (int64_t i = 0; i < num_q; i += tile_queries) {
+      const int64_t n = std::min(tile_queries, num_q - i);
       for (int64_t h = 0; h < shape.num_kv_heads; ++h) tiles.push_back({q_begin + i, pos0 + i, n, h, table});
     }
   }

@@ -19,7 +19,7 @@ struct AttentionShape {
   int64_t window;  // sliding window (a query at p sees p - window + 1 .. p); 0: none
 };
 
-// One unit of attention work: up to kAttentionTileQueries consecutive query tokens of one
+// One unit of attention work: up to attention_tile_queries(group) consecutive query tokens of one
 // sequence against one KV head (all `group` query heads of it).
 struct AttentionTile {
   int64_t token;  // flat-batch row of the first query
@@ -30,16 +30,24 @@ struct AttentionTile {
 };
 
 // Query tokens per tile: a decode is a tile of one; a prompt chunk is cut into tiles of this
-// many tokens (fixed, so a sequence's arithmetic never depends on its companions).
-// 64 tokens x G heads share each K/V tile read (and its transposition).
-constexpr int64_t kAttentionTileQueries = 64;
+// many tokens (a function of the model alone, so a sequence's arithmetic never depends on its
+// companions). Up to 128 tokens x G heads share each K/V tile read (and its transposition),
+// capped at ~512 rows so a tile's scratch stays in L2.
+constexpr int64_t kAttentionTileQueries = 128;
+constexpr int64_t kAttentionTileRows = 512;
+// NOTE: static (internal linkage): an inline function here would be compiled per ISA unit and
+// the linker could keep the AVX-512 copy for every caller (see isa.h).
+static constexpr int64_t attention_tile_queries(int64_t group) {
+  const int64_t by_rows = kAttentionTileRows / group;
+  return by_rows < 1 ? 1 : by_rows < kAttentionTileQueries ? by_rows : kAttentionTileQueries;
+}
 // Keys per inner tile: one online-softmax update (max, exp, rescale) per row per 64 keys.
 constexpr int64_t kAttentionTileKeys = 64;
 
 struct DecoderKernels {
   const char* name;
   int64_t lanes;  // SIMD width W in floats; attention_tile needs head_dim % lanes == 0
-  // floats of per-thread scratch attention_tile needs for tiles of up to kAttentionTileQueries
+  // floats of per-thread scratch attention_tile needs for tiles of up to attention_tile_queries
   int64_t (*attention_scratch)(const AttentionShape& shape);
   // out rows (token .. token + num_q) x heads of kv_head = softmax(q k^T * scale) v, causal
   // (and windowed) by position. q: row t at q + t * ldq, heads [H][D]; out likewise with ldo.

@@ -110,7 +110,7 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* y) {
 }
 
 int64_t attention_scratch(const AttentionShape& s) {
-  const int64_t rows = kAttentionTileQueries * s.group, d = s.head_dim;
+  const int64_t rows = attention_tile_queries(s.group) * s.group, d = s.head_dim;
   // Q [rows, D] | K^T [D, BK] | P [rows, BK] | O [rows, D] | running max, sum [rows] each
   return rows * d + d * BK + rows * BK + rows * d + 2 * rows;
 }
@@ -216,10 +216,29 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
   const int64_t last = t.pos + t.num_q - 1;
   const int64_t first = s.window > 0 && t.pos - s.window + 1 > 0 ? t.pos - s.window + 1 : 0;
   const float* v_rows[BK];
-  auto slot_offset = [&](int64_t p) {  // floats from the cache start to position p's token
-    return (t.block_table[p / s.block_size] * s.block_size + p % s.block_size) * kv_stride;
-  };
+  // offsets[j]: floats from the cache start to this head's row of position kb + j, for the
+  // tile and kPrefetchKeys beyond (walked block by block: no division per key)
+  int64_t offsets[BK + kPrefetchKeys];
+  for (int64_t p = first; p < first + kPrefetchKeys && p <= last; ++p) {  // the first rows, ahead of use
+    const int64_t offset = (t.block_table[p / s.block_size] * s.block_size + p % s.block_size) * kv_stride +
+                           t.kv_head * d_len;
+    for (int64_t x = 0; x < d_len; x += 16) {
+      __builtin_prefetch(k_cache + offset + x);
+      __builtin_prefetch(v_cache + offset + x);
+    }
+  }
   for (int64_t kb = first / BK * BK; kb <= last; kb += BK) {
+    {
+      int64_t block = kb / s.block_size, in_block = kb % s.block_size;
+      const int64_t end = last + 1 - kb < BK + kPrefetchKeys ? last + 1 - kb : BK + kPrefetchKeys;
+      for (int64_t j = 0; j < end; ++j) {
+        offsets[j] = (t.block_table[block] * s.block_size + in_block) * kv_stride + t.kv_head * d_len;
+        if (++in_block == s.block_size) {
+          in_block = 0;
+          ++block;
+        }
+      }
+    }
     int64_t r = 0;
     if (rows <= kDirectRows) {  // few rows (decodes): dot each key in place, no transposition
       for (int64_t j = 0; j < BK; ++j) {
@@ -228,11 +247,10 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
           v_rows[j] = nullptr;
           continue;
         }
-        const int64_t offset = slot_offset(p) + t.kv_head * d_len;
-        const float* k_row = k_cache + offset;
-        v_rows[j] = v_cache + offset;
+        const float* k_row = k_cache + offsets[j];
+        v_rows[j] = v_cache + offsets[j];
         if (p + kPrefetchKeys <= last) {  // K and V rows a few keys ahead: hide memory latency
-          const int64_t ahead = slot_offset(p + kPrefetchKeys) + t.kv_head * d_len;
+          const int64_t ahead = offsets[j + kPrefetchKeys];
           for (int64_t x = 0; x < d_len; x += 16) {
             __builtin_prefetch(k_cache + ahead + x);
             __builtin_prefetch(v_cache + ahead + x);
@@ -253,9 +271,12 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
           for (int64_t d = 0; d < d_len; ++d) kt[d * BK + j] = 0.0f;
           continue;
         }
-        const int64_t offset = slot_offset(p) + t.kv_head * d_len;
-        const float* k_row = k_cache + offset;
-        v_rows[j] = v_cache + offset;
+        const float* k_row = k_cache + offsets[j];
+        v_rows[j] = v_cache + offsets[j];
+        for (int64_t x = 0; x < d_len; x += 16) {  // V is read after the scores: fetch it now
+          if (p + kPrefetchKeys <= last) __builtin_prefetch(k_cache + offsets[j + kPrefetchKeys] + x);
+          __builtin_prefetch(v_rows[j] + x);
+        }
         for (int64_t d = 0; d < d_len; ++d) kt[d * BK + j] = k_row[d];
       }
       for (; r + SR <= rows; r += SR) score_rows<SR>(qt + r * d_len, d_len, kt, probs + r * BK);
