@@ -90,6 +90,10 @@ class CpuDecoder:
         assert ext is not None
         self.config = config
         self._rotary = RotaryEmbedding(config)
+        # cos, signed_sin [P, D] for positions 0 .. P - 1, grown (doubled) when a step needs more:
+        # the C++ step reads rows by position, so a step costs no Python RoPE ops.
+        self._rope_cos = torch.empty(0, config.head_dim)
+        self._rope_sin = torch.empty(0, config.head_dim)
         self._step = ext.FusedDecoder(
             config.vocab_size, config.hidden_size, config.intermediate_size, config.num_heads,
             config.num_kv_heads, config.head_dim, config.rms_norm_eps,
@@ -194,12 +198,14 @@ class CpuDecoder:
         meta: AttentionMetadata,
         rows: Tensor | None,
     ) -> Tensor:
-        num_tokens = int(input_ids.shape[0])
-        cos, signed_sin = self._rotary(positions, torch.float32)  # [T, 1, D] each
+        max_position = max(meta.seq_lens_list) - 1  # the last position any token of the step has
+        if max_position >= self._rope_cos.shape[0]:
+            self._grow_rope_tables(max_position + 1)
         return self._step.forward(
             input_ids.contiguous(),
-            cos.view(num_tokens, -1),  # [T, D]
-            signed_sin.view(num_tokens, -1),  # [T, D]
+            positions.contiguous(),
+            self._rope_cos,  # [P, D]
+            self._rope_sin,  # [P, D]
             kv_caches,
             meta.slot_mapping,
             meta.block_tables,
@@ -208,6 +214,27 @@ class CpuDecoder:
             meta.sliding_window or 0,
             rows,
         )  # [T or S, hidden]
+
+    def _grow_rope_tables(self, num_positions: int) -> None:
+        size = max(4096, self._rope_cos.shape[0])
+        while size < num_positions:
+            size *= 2
+        cos, signed_sin = self._rotary(torch.arange(size), torch.float32)  # [P, 1, D] each
+        self._rope_cos = cos.view(size, -1).contiguous()  # [P, D]
+        self._rope_sin = signed_sin.view(size, -1).contiguous()  # [P, D]
+
+
+def load_cpu_decoder(model: str | None) -> CpuDecoder:
+    """The model at `model` (loader.resolve_model_path's rules) as a CpuDecoder: a GGUF's
+    tensors as stored (see packed_gguf.read_gguf_packed), a Hugging Face folder's as F32 blocks."""
+    from backfill.model.loader import is_gguf, load_model, resolve_model_path
+    from backfill.model.packed_gguf import read_gguf_packed
+
+    path = resolve_model_path(model)
+    if is_gguf(path):
+        config, state = read_gguf_packed(path)
+        return CpuDecoder(config, state)
+    return CpuDecoder.from_dense(load_model(path, torch.float32, torch.device("cpu")))
 
 
 def _expected_names(config: ModelConfig) -> list[str]:

@@ -137,12 +137,14 @@ class FusedDecoder {
 
   // Runs every layer; returns the final-normed hidden states [T, hidden] (all rows, or only
   // `rows` [R] int64 when given, then [R, hidden]).
-  torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+  torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& positions, const torch::Tensor& cos,
+                        const torch::Tensor& signed_sin,
                         const std::vector<KVCache>& kv_caches, const torch::Tensor& slot_mapping,
                         const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                         const torch::Tensor& query_start, int64_t window, const c10::optional<torch::Tensor>& rows) {
     std::lock_guard<std::mutex> guard(mutex_);  // the scratch buffers serve one step at a time
-    run_layers(input_ids, cos, signed_sin, kv_caches, slot_mapping, block_tables, seq_lens, query_start, window);
+    run_layers(input_ids, positions, cos, signed_sin, kv_caches, slot_mapping, block_tables, seq_lens, query_start,
+               window);
     const int64_t num_tokens = input_ids.numel();
     const int64_t* index = nullptr;
     int64_t num_out = num_tokens;
@@ -190,7 +192,8 @@ class FusedDecoder {
     return std::chrono::duration<double>(Clock::now() - start).count();
   }
 
-  void run_layers(const torch::Tensor& input_ids, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+  void run_layers(const torch::Tensor& input_ids, const torch::Tensor& positions, const torch::Tensor& cos,
+                  const torch::Tensor& signed_sin,
                   const std::vector<KVCache>& kv_caches, const torch::Tensor& slot_mapping,
                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& query_start,
                   int64_t window) {
@@ -201,8 +204,14 @@ class FusedDecoder {
     const int64_t* ids = int64_data(input_ids, "input_ids");
     for (int64_t i = 0; i < num_tokens; ++i)
       TORCH_CHECK(ids[i] >= 0 && ids[i] < vocab_, "input id ", ids[i], " out of range");
-    const float* cos_p = fp32_data(cos, num_tokens * head_dim_, "cos");
-    const float* sin_p = fp32_data(signed_sin, num_tokens * head_dim_, "signed_sin");
+    // cos, signed_sin: [P, D] tables by position (RotaryEmbedding over 0 .. P - 1)
+    const int64_t* pos = int64_data(positions, "positions");
+    TORCH_CHECK(positions.numel() == num_tokens && cos.dim() == 2 && cos.size(1) == head_dim_,
+                "positions must be [T] and cos [P, head_dim]");
+    const float* cos_p = fp32_data(cos, cos.numel(), "cos");
+    const float* sin_p = fp32_data(signed_sin, cos.numel(), "signed_sin");
+    for (int64_t i = 0; i < num_tokens; ++i)
+      TORCH_CHECK(pos[i] >= 0 && pos[i] < cos.size(0), "position ", pos[i], " outside the RoPE table");
     const int64_t* slots = int64_data(slot_mapping, "slot_mapping");
     TORCH_CHECK(slot_mapping.numel() == num_tokens, "slot_mapping must hold one slot per token");
     TORCH_CHECK(block_tables.dim() == 2, "block_tables must be [S, max_blocks]");
@@ -253,7 +262,7 @@ class FusedDecoder {
       lap(other_s_);
       layer.qkv.run(xn, num_tokens, hidden_, qkv, qkv_cols, false);
       lap(linear_s_);
-      rope_and_write_kv(qkv, qkv_cols, cos_p, sin_p, slots, num_tokens, k_cache, v_cache);
+      rope_and_write_kv(qkv, qkv_cols, pos, cos_p, sin_p, slots, num_tokens, k_cache, v_cache);
       lap(other_s_);
       plan_.run(attention_, shape, qkv, qkv_cols, k_cache, v_cache, attn, q_size);
       lap(attention_s_);
@@ -283,14 +292,14 @@ class FusedDecoder {
 
   // Rotate-half RoPE of q and k in place, x * cos + roll(x, D/2) * signed_sin (two roundings
   // per term, as apply_rope), then k and v of each token into its cache slot.
-  void rope_and_write_kv(float* qkv, int64_t ld, const float* cos, const float* sin, const int64_t* slots,
-                         int64_t num_tokens, float* k_cache, float* v_cache) const {
+  void rope_and_write_kv(float* qkv, int64_t ld, const int64_t* positions, const float* cos, const float* sin,
+                         const int64_t* slots, int64_t num_tokens, float* k_cache, float* v_cache) const {
     const int64_t d_len = head_dim_, half = head_dim_ / 2, kv_size = num_kv_heads_ * head_dim_;
     at::parallel_for(0, num_tokens, 32, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         float* row = qkv + t * ld;  // [q heads | k heads | v heads], each [D]
-        const float* c = cos + t * d_len;
-        const float* s = sin + t * d_len;
+        const float* c = cos + positions[t] * d_len;
+        const float* s = sin + positions[t] * d_len;
         for (int64_t h = 0; h < num_heads_ + num_kv_heads_; ++h) {
           float* v = row + h * d_len;
           for (int64_t d = 0; d < half; ++d) {
@@ -364,7 +373,7 @@ void register_decoder(pybind11::module& m) {
       .def("set_final_norm", &FusedDecoder::set_final_norm, arg("weight"))
       .def("add_layer", &FusedDecoder::add_layer, arg("input_norm"), arg("post_norm"), arg("qkv"), arg("qkv_bias"),
            arg("o_proj"), arg("gate_up"), arg("down"))
-      .def("forward", &FusedDecoder::forward, nogil, arg("input_ids"), arg("cos"), arg("signed_sin"),
+      .def("forward", &FusedDecoder::forward, nogil, arg("input_ids"), arg("positions"), arg("cos"), arg("signed_sin"),
            arg("kv_caches"), arg("slot_mapping"), arg("block_tables"), arg("seq_lens"), arg("query_start"),
            arg("window"), arg("rows") = py::none())
       .def("logits", &FusedDecoder::logits, nogil, arg("hidden"))
