@@ -1,7 +1,7 @@
 // The decoder's non-GEMM kernels over a SIMD width W (GCC vector extensions), included once by
 // each ISA translation unit after it defines BF_LANES, BF_TABLE (the table's function name),
-// BF_NAME, `vf fmadd(vf a, vf b, vf c)` (a * b + c, fused where the ISA has FMA) and
-// `vf splat(float s)` (a broadcast; NOTE: `vf{} + s` costs an add, since 0 + -0 is +0, and a
+// BF_NAME, `vf fmadd(vf a, vf b, vf c)` (a * b + c, fused where the ISA has FMA),
+// `vf reciprocal(vf d)` (1 / d to ~2 ulp) and `vf splat(float s)` (a broadcast; NOTE: `vf{} + s` costs an add, since 0 + -0 is +0, and a
 // lane-by-lane loop compiles to one masked broadcast per lane).
 // Everything here has internal linkage, so each unit keeps its own copies (see isa.h).
 // No include guard on purpose: one inclusion per unit.
@@ -101,7 +101,8 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* y) {
   int64_t i = 0;
   for (; i + W <= n; i += W) {
     const vf g = load(gate + i);
-    store(y + i, g / (splat(1.0f) + vexp(-g)) * load(up + i));
+    // g * sigmoid(g): a reciprocal, not a division (vdivps bounded the whole loop)
+    store(y + i, g * reciprocal(splat(1.0f) + vexp(-g)) * load(up + i));
   }
   for (; i < n; ++i) {
     const float g = gate[i];
