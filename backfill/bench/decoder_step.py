@@ -91,7 +91,7 @@ def bench_attention(repeats: int, block_size: int = 16) -> None:
     """One layer's attention of the default model's shape (9 heads, 3 KV heads, head_dim 64)."""
     ext = kernels.extension()
     heads, kv_heads, head_dim = 9, 3, 64
-    cases = [("decode 1 x 128", [128], [1]), ("decode 32 x 128", [128] * 32, [1] * 32),
+    cases = [("decode 1 x 128", [128], [1]), ("decode 1 x 4000", [4000], [1]), ("decode 32 x 128", [128] * 32, [1] * 32),
              ("decode 32 x 1000", [1000] * 32, [1] * 32), ("prompt 512", [0], [512]),
              ("chunk 512 after 2048", [2048], [512]), ("chunk 512 after 7488", [7488], [512])]
     print(f"\nattention, one layer ({heads} heads, {kv_heads} KV heads, head_dim {head_dim}), min ms")

@@ -53,7 +53,7 @@ def test_matches_naive(case: str, num_heads: int, num_kv_heads: int, head_dim: i
     torch.testing.assert_close(fused(q, k_cache, v_cache, meta), expected, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("window", [1, 5, 16, 40, 100])
+@pytest.mark.parametrize("window", [1, 5, 16, 40, 100, 300])  # 300: split decodes with a window
 @pytest.mark.parametrize("case", ["mixed", "ragged_decodes", "chunked_only"])
 def test_sliding_window_matches_naive(case: str, window: int) -> None:
     q, k_cache, v_cache, meta = random_step(case, 8, 2, 32, 16, window)
@@ -61,11 +61,12 @@ def test_sliding_window_matches_naive(case: str, window: int) -> None:
     torch.testing.assert_close(fused(q, k_cache, v_cache, meta, window), expected, atol=ATOL, rtol=0)
 
 
-def test_batch_invariant() -> None:
+@pytest.mark.parametrize("case", ["mixed", "ragged_decodes"])  # ragged: decodes split into key partitions
+def test_batch_invariant(case: str) -> None:
     """Each sequence's rows are bit-identical alone, in the batch, and in a reordered batch."""
     from backfill.model.attention import build_attention_metadata
 
-    num_computed, query_lens = CASES["mixed"]
+    num_computed, query_lens = CASES[case]
     block_size, num_blocks, heads, kv_heads, head_dim = 16, 64, 9, 3, 64
     gen = torch.Generator().manual_seed(7)
     shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -89,8 +90,9 @@ def test_batch_invariant() -> None:
         assert torch.equal(reordered[i], alone), f"sequence {i} differs reordered vs alone"
 
 
-def test_thread_count_invariant() -> None:
-    q, k_cache, v_cache, meta = random_step("mixed", 9, 3, 64, 16)
+@pytest.mark.parametrize("case", ["mixed", "ragged_decodes"])
+def test_thread_count_invariant(case: str) -> None:
+    q, k_cache, v_cache, meta = random_step(case, 9, 3, 64, 16)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -28,8 +28,17 @@ struct StepMeta {
 // The step's attention work list, built once per step (checked against the cache size) and
 // run once per layer. Holds the per-worker scratch between steps.
 struct AttentionPlan {
+  // A decode split into key partitions: its tiles' partial results, in position order.
+  struct Split {
+    int64_t token;
+    int64_t kv_head;
+    int64_t first_partial;  // index of its first partition in `partials` (rows x (D + 2) floats each)
+    int64_t num_parts;
+  };
   std::vector<AttentionTile> tiles;
-  std::vector<float> scratch;  // [workers, attention_scratch(shape)]
+  std::vector<Split> splits;
+  std::vector<float> partials;  // [partitions, G, D + 2]
+  std::vector<float> scratch;   // [workers, attention_scratch(shape)]
 
   void build(const StepMeta& meta, const AttentionShape& shape, int64_t num_blocks);
   // out[t, h, :] for every token t and query head h (q, out: [T, H * D] rows of stride ldq, ldo).

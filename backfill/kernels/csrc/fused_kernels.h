@@ -20,14 +20,26 @@ struct AttentionShape {
 };
 
 // One unit of attention work: up to attention_tile_queries(group) consecutive query tokens of one
-// sequence against one KV head (all `group` query heads of it).
+// sequence against one KV head (all `group` query heads of it), over the keys the queries see
+// within [key_begin, key_end). A long decode is split into key partitions (see
+// kDecodeSplitKeys) whose unnormalized results go to `partial` and are combined afterwards.
 struct AttentionTile {
   int64_t token;  // flat-batch row of the first query
   int64_t pos;    // its position in the sequence (the rows after it are pos + 1, pos + 2, ...)
   int64_t num_q;  // query tokens in the tile
   int64_t kv_head;
   const int64_t* block_table;  // the sequence's block ids (covers positions 0 .. pos + num_q - 1)
+  int64_t key_begin;  // first key position visited (0: from the start, or the window's start)
+  int64_t key_end;    // one past the last key position visited (pos + num_q: up to the causal limit)
+  // null: write the normalized output rows. Else rows x (D + 2) floats: for each row r = i * G + g
+  // its unnormalized output [D], then its running max and sum (a key partition of a decode).
+  float* partial;
 };
+
+// A decode whose keys span more than one aligned run of this many positions is split into
+// those runs (one task each, combined in position order): a long context's attention spreads
+// over every thread even at batch 1. A function of positions only (batch invariant).
+constexpr int64_t kDecodeSplitKeys = 256;
 
 // Query tokens per tile: a decode is a tile of one; a prompt chunk is cut into tiles of this
 // many tokens (a function of the model alone, so a sequence's arithmetic never depends on its

@@ -214,8 +214,11 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
   }
 
   const int64_t kv_stride = s.num_kv_heads * d_len;  // floats from one token to the next
-  const int64_t last = t.pos + t.num_q - 1;
-  const int64_t first = s.window > 0 && t.pos - s.window + 1 > 0 ? t.pos - s.window + 1 : 0;
+  // keys visited: the tile's key range within the rows' causal (and windowed) reach
+  const int64_t reach_last = t.pos + t.num_q - 1;
+  const int64_t reach_first = s.window > 0 && t.pos - s.window + 1 > 0 ? t.pos - s.window + 1 : 0;
+  const int64_t last = t.key_end - 1 < reach_last ? t.key_end - 1 : reach_last;
+  const int64_t first = t.key_begin > reach_first ? t.key_begin : reach_first;
   const float* v_rows[BK];
   // offsets[j]: floats from the cache start to this head's row of position kb + j, for the
   // tile and kPrefetchKeys beyond (walked block by block: no division per key)
@@ -286,8 +289,9 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
 
     // Mask by position, then the online-softmax update of each row.
     for (r = 0; r < rows; ++r) {
-      const int64_t q_pos = t.pos + r / group;
-      const int64_t lo = s.window > 0 ? q_pos - s.window + 1 : 0;
+      const int64_t q_pos_all = t.pos + r / group;  // the row sees [lo, q_pos] of the visited keys
+      const int64_t q_pos = q_pos_all < last ? q_pos_all : last;
+      const int64_t lo = s.window > 0 && q_pos_all - s.window + 1 > first ? q_pos_all - s.window + 1 : first;
       float* pr = probs + r * BK;
       vf sc[NV];
       vi valid[NV];
@@ -324,6 +328,15 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
     accumulate_pv(probs, v_rows, acc, d_len, rows);
   }
 
+  if (t.partial != nullptr) {  // a key partition: leave the combination to the caller
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = t.partial + r * (d_len + 2);  // [D + 2]
+      for (int64_t x = 0; x < d_len; x += W) store(dst + x, load(acc + r * d_len + x));
+      dst[d_len] = row_max[r];
+      dst[d_len + 1] = row_sum[r];
+    }
+    return;
+  }
   for (int64_t i = 0; i < t.num_q; ++i) {
     float* dst = out + (t.token + i) * ldo + t.kv_head * group * d_len;  // [G, D]
     for (int64_t g = 0; g < group; ++g) {
