@@ -132,6 +132,8 @@ class CpuDecoder:
             pre = f"layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             state[pre + "self_attn.qkv_proj.weight"] = attn.qkv_proj.weight
+            if attn.qkv_proj.bias is not None:  # a prepacked model's is no state_dict entry
+                state[pre + "self_attn.qkv_proj.bias"] = attn.qkv_proj.bias
             state[pre + "self_attn.o_proj.weight"] = attn.o_proj.weight
             state[pre + "mlp.gate_up_proj.weight"] = mlp.gate_up_proj.weight
             state[pre + "mlp.down_proj.weight"] = mlp.down_proj.weight

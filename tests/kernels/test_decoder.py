@@ -209,3 +209,20 @@ def test_real_model_greedy_matches_python_path(our_model: LlamaForCausalLM, gguf
     expected = PagedDriver(our_model).greedy(prompts, max_new_tokens=16, chunk=24)
     got = PagedDriver(decoder).greedy(prompts, max_new_tokens=16, chunk=24)
     assert got == expected
+
+
+def test_from_prepacked_model() -> None:
+    """from_dense reads a model whose linears were prepacked for oneDNN (weights and q/k/v bias
+    held as attributes, the LM head moved to packed_lm_head)."""
+    from backfill.model.prepack import prepack_supported
+
+    if not prepack_supported(torch.float32, torch.device("cpu")):
+        pytest.skip("no oneDNN prepacking in this torch build")
+    model = tiny_model("qwen2_bias_hd64", tie_word_embeddings=False)
+    reference = CpuDecoder.from_dense(model)
+    model.prepack_weights()
+    batches = token_batches(101, seed=7)
+    got = PagedDriver(CpuDecoder.from_dense(model), num_blocks=48, block_size=8, seed=1)
+    expected = PagedDriver(reference, num_blocks=48, block_size=8, seed=1)
+    for batch in batches:
+        assert torch.equal(got.step(batch), expected.step(batch))

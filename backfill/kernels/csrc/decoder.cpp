@@ -13,7 +13,10 @@
 #include <torch/extension.h>
 
 #include <chrono>
+#include <cmath>
+#include <cstring>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -135,8 +138,11 @@ class FusedDecoder {
                        make_linear(down, c10::nullopt, hidden_, intermediate_, "down_proj")});
   }
 
-  // Runs every layer; returns the final-normed hidden states [T, hidden] (all rows, or only
-  // `rows` [R] int64 when given, then [R, hidden]).
+  // Runs every layer over the step's T tokens, writing their K/V into `kv_caches`; returns the
+  // final-normed hidden states [T, hidden] (or only `rows` [R] int64 of them: [R, hidden]).
+  // input_ids, positions, slot_mapping: [T] int64; cos, signed_sin: [P, D] fp32 RoPE tables
+  // by position; block_tables [S, max_blocks], seq_lens [S], query_start [S + 1] int64 (as
+  // AttentionMetadata); window: sliding window or 0. Every index is checked before use.
   torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& positions, const torch::Tensor& cos,
                         const torch::Tensor& signed_sin,
                         const std::vector<KVCache>& kv_caches, const torch::Tensor& slot_mapping,
