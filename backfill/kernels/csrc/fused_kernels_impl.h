@@ -125,7 +125,7 @@ constexpr int64_t SR = kAccRegs / NVS;
 // Tiles of at most this many rows (query tokens x G) compute scores key by key.
 constexpr int64_t kDirectRows = 8;
 // How far ahead (in keys) the direct path prefetches K/V rows.
-constexpr int64_t kPrefetchKeys = 8;
+constexpr int64_t kPrefetchKeys = 16;
 
 // scores[r][0:BK] = Q[r] . K^T tile for NR rows, NVS registers of keys at a time.
 template <int64_t NR>
