@@ -53,6 +53,15 @@ def test_matches_naive(case: str, num_heads: int, num_kv_heads: int, head_dim: i
     torch.testing.assert_close(fused(q, k_cache, v_cache, meta), expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("case", ["mixed", "ragged_decodes"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 128), (4, 1, 256), (2, 2, 80)])
+def test_wide_heads_match_naive(case: str, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """head_dim 128 / 256 (P.V in slices of 8 registers), 80 (5 AVX-512 registers)."""
+    q, k_cache, v_cache, meta = random_step(case, num_heads, num_kv_heads, head_dim, 16)
+    expected = naive_attention(q, k_cache, v_cache, meta, head_dim**-0.5)  # [T, H, D]
+    torch.testing.assert_close(fused(q, k_cache, v_cache, meta), expected, atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("window", [1, 5, 16, 40, 100, 300])  # 300: split decodes with a window
 @pytest.mark.parametrize("case", ["mixed", "ragged_decodes", "chunked_only"])
 def test_sliding_window_matches_naive(case: str, window: int) -> None:
