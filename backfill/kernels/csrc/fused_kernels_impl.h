@@ -111,46 +111,30 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* y) {
   }
 }
 
-int64_t attention_scratch(const AttentionShape& s) {
-  const int64_t rows = attention_tile_queries(s.group) * s.group, d = s.head_dim;
-  // Q [rows, D] | K^T [D, BK] | P [rows, BK] | O [rows, D] | running max, sum [rows] each
-  return rows * d + d * BK + rows * BK + rows * d + 2 * rows;
-}
-
 // Accumulator registers a register block may hold (AVX-512 has 32 vector registers, others 16).
 constexpr int64_t kAccRegs = W >= 16 ? 16 : 8;
-// Key-tile registers per score block, and query rows per block (each K^T load feeds SR FMAs).
-constexpr int64_t NVS = NV < 4 ? NV : 4;
-constexpr int64_t SR = kAccRegs / NVS;
 // Tiles of at most this many rows (query tokens x G) compute scores key by key.
 constexpr int64_t kDirectRows = 8;
-// How far ahead (in keys) the direct path prefetches K/V rows.
+// How far ahead (in keys) K/V rows are prefetched.
 constexpr int64_t kPrefetchKeys = 16;
+// Score blocks of the row-vectorized path: KJ keys x RV registers of rows.
+constexpr int64_t KJ = W >= 16 ? 4 : 2;
+constexpr int64_t RV = 4;
 
-// scores[r][0:BK] = Q[r] . K^T tile for NR rows, NVS registers of keys at a time.
-template <int64_t NR>
-inline void score_rows(const float* q, int64_t d_len, const float* kt, float* scores) {
-  for (int64_t v0 = 0; v0 < NV; v0 += NVS) {
-    vf acc[NR][NVS];
-    for (int64_t r = 0; r < NR; ++r)
-      for (int64_t v = 0; v < NVS; ++v) acc[r][v] = vf{};
-    for (int64_t d = 0; d < d_len; ++d) {
-      vf k[NVS];
-      for (int64_t v = 0; v < NVS; ++v) k[v] = load(kt + d * BK + (v0 + v) * W);
-      for (int64_t r = 0; r < NR; ++r) {
-        const vf qs = splat(q[r * d_len + d]);
-        for (int64_t v = 0; v < NVS; ++v) acc[r][v] = fmadd(qs, k[v], acc[r][v]);
-      }
-    }
-    for (int64_t r = 0; r < NR; ++r)
-      for (int64_t v = 0; v < NVS; ++v) store(scores + r * BK + (v0 + v) * W, acc[r][v]);
-  }
+inline int64_t padded_rows(int64_t rows) { return (rows + W - 1) / W * W; }
+
+int64_t attention_scratch(const AttentionShape& s) {
+  const int64_t rows = padded_rows(attention_tile_queries(s.group) * s.group), d = s.head_dim;
+  // O [rows, D] | max, sum, alpha [rows] | Q [rows, D] | P [BK, rows] | lo, hi [rows] int32 | zeros [D]
+  return rows * d + 3 * rows + rows * d + BK * rows + 2 * rows + d;
 }
 
-// o[r][0:DV*W] += sum_j p[r][j] * v_rows[j][0:DV*W] for NR rows: the rows' slices of O stay in
-// registers over the whole key tile, each V load feeds NR FMAs.
+// o[r][x0 : x0 + DV*W] += sum_j p[r, j] * v_rows[j][x0 : x0 + DV*W] for NR rows (p[r, j] at
+// p + r * p_row + j * p_key): the rows' slices of O stay in registers over the key tile, each
+// V load feeds NR FMAs.
 template <int64_t DV, int64_t NR>
-inline void pv_block(const float* p, const float* const* v_rows, int64_t x0, float* o, int64_t d_len) {
+inline void pv_block(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t x0, float* o,
+                     int64_t d_len) {
   vf acc[NR][DV];
   for (int64_t r = 0; r < NR; ++r)
     for (int64_t x = 0; x < DV; ++x) acc[r][x] = load(o + r * d_len + x0 + x * W);
@@ -159,7 +143,7 @@ inline void pv_block(const float* p, const float* const* v_rows, int64_t x0, flo
     vf v[DV];
     for (int64_t x = 0; x < DV; ++x) v[x] = load(v_rows[j] + x0 + x * W);
     for (int64_t r = 0; r < NR; ++r) {
-      const vf pr = splat(p[r * BK + j]);
+      const vf pr = splat(p[r * p_row + j * p_key]);
       for (int64_t x = 0; x < DV; ++x) acc[r][x] = fmadd(pr, v[x], acc[r][x]);
     }
   }
@@ -168,27 +152,193 @@ inline void pv_block(const float* p, const float* const* v_rows, int64_t x0, flo
 }
 
 template <int64_t DV>
-inline void pv_rows(const float* p, const float* const* v_rows, int64_t x0, float* o, int64_t d_len, int64_t rows) {
+inline void pv_rows(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t x0, float* o,
+                    int64_t d_len, int64_t rows) {
   constexpr int64_t NR = kAccRegs / DV > 0 ? kAccRegs / DV : 1;
   int64_t r = 0;
-  for (; r + NR <= rows; r += NR) pv_block<DV, NR>(p + r * BK, v_rows, x0, o + r * d_len, d_len);
-  for (; r < rows; ++r) pv_block<DV, 1>(p + r * BK, v_rows, x0, o + r * d_len, d_len);
+  for (; r + NR <= rows; r += NR) pv_block<DV, NR>(p + r * p_row, p_row, p_key, v_rows, x0, o + r * d_len, d_len);
+  for (; r < rows; ++r) pv_block<DV, 1>(p + r * p_row, p_row, p_key, v_rows, x0, o + r * d_len, d_len);
 }
 
-// O[rows, D] += P[rows, BK] . V tile, D cut into slices of at most 8 registers.
-inline void accumulate_pv(const float* p, const float* const* v_rows, float* o, int64_t d_len, int64_t rows) {
+// O[rows, D] += P . V tile, D cut into slices of at most 8 registers.
+inline void accumulate_pv(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, float* o,
+                          int64_t d_len, int64_t rows) {
   for (int64_t x0 = 0; x0 < d_len; x0 += 8 * W) {
     switch ((d_len - x0) / W >= 8 ? 8 : (d_len - x0) / W) {
-      case 1: pv_rows<1>(p, v_rows, x0, o, d_len, rows); break;
-      case 2: pv_rows<2>(p, v_rows, x0, o, d_len, rows); break;
-      case 3: pv_rows<3>(p, v_rows, x0, o, d_len, rows); break;
-      case 4: pv_rows<4>(p, v_rows, x0, o, d_len, rows); break;
-      case 5: pv_rows<5>(p, v_rows, x0, o, d_len, rows); break;
-      case 6: pv_rows<6>(p, v_rows, x0, o, d_len, rows); break;
-      case 7: pv_rows<7>(p, v_rows, x0, o, d_len, rows); break;
-      default: pv_rows<8>(p, v_rows, x0, o, d_len, rows); break;
+      case 1: pv_rows<1>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
+      case 2: pv_rows<2>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
+      case 3: pv_rows<3>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
+      case 4: pv_rows<4>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
+      case 5: pv_rows<5>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
+      case 6: pv_rows<6>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
+      case 7: pv_rows<7>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
+      default: pv_rows<8>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
     }
   }
+}
+
+// scores[j][rb : rb + NRV*W] = K[j] . Q^T for KJ keys x NRV registers of rows.
+template <int64_t NRV>
+inline void score_block(const float* qt, int64_t rows_pad, const float* const* k_rows, int64_t d_len, float* scores) {
+  vf acc[KJ][NRV];
+  for (int64_t j = 0; j < KJ; ++j)
+    for (int64_t v = 0; v < NRV; ++v) acc[j][v] = vf{};
+  for (int64_t d = 0; d < d_len; ++d) {
+    vf qv[NRV];
+    for (int64_t v = 0; v < NRV; ++v) qv[v] = load(qt + d * rows_pad + v * W);
+    for (int64_t j = 0; j < KJ; ++j) {
+      const vf k = splat(k_rows[j][d]);
+      for (int64_t v = 0; v < NRV; ++v) acc[j][v] = fmadd(k, qv[v], acc[j][v]);
+    }
+  }
+  for (int64_t j = 0; j < KJ; ++j)
+    for (int64_t v = 0; v < NRV; ++v) store(scores + j * rows_pad + v * W, acc[j][v]);
+}
+
+// Everything one tile's key walk needs.
+struct TileState {
+  const AttentionShape& s;
+  const AttentionTile& t;
+  const float* k_cache;
+  const float* v_cache;
+  int64_t d_len, group, rows, rows_pad;
+  int64_t first, last;  // key positions visited
+  float* acc;           // [rows_pad, D] unnormalized output
+  float* row_max;       // [rows_pad]
+  float* row_sum;       // [rows_pad]
+  float* alpha;         // [rows_pad] this key tile's rescale factors
+  float* q_buf;         // direct: Q [rows, D]; row-vectorized: Q^T [D, rows_pad] (both scaled)
+  float* probs;         // direct: [rows, BK]; row-vectorized: [BK, rows_pad]
+  int32_t* lo;          // [rows_pad] first key position each row sees (row-vectorized path)
+  int32_t* hi;          // [rows_pad] last
+  const float* zeros;   // [D]
+};
+
+// Few rows (decodes): each key's dot products in place, the online softmax row by row.
+void attend_direct(const TileState& st, int64_t kb, const int64_t* offsets, const float** v_rows) {
+  const int64_t d_len = st.d_len, rows = st.rows;
+  for (int64_t j = 0; j < BK; ++j) {
+    const int64_t p = kb + j;
+    if (p < st.first || p > st.last) {  // never read: no row sees it (its score is masked below)
+      v_rows[j] = nullptr;
+      continue;
+    }
+    const float* k_row = st.k_cache + offsets[j];
+    v_rows[j] = st.v_cache + offsets[j];
+    if (p + kPrefetchKeys <= st.last) {  // K and V rows a few keys ahead: hide memory latency
+      const int64_t ahead = offsets[j + kPrefetchKeys];
+      for (int64_t x = 0; x < d_len; x += 16) {
+        __builtin_prefetch(st.k_cache + ahead + x);
+        __builtin_prefetch(st.v_cache + ahead + x);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = st.q_buf + r * d_len;
+      vf dot{};
+      for (int64_t x = 0; x < d_len; x += W) dot = fmadd(load(qr + x), load(k_row + x), dot);
+      st.probs[r * BK + j] = hsum_tree(dot);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // mask by position, then the online-softmax update
+    const int64_t q_pos_all = st.t.pos + r / st.group;  // the row sees [lo, q_pos] of the visited keys
+    const int64_t q_pos = q_pos_all < st.last ? q_pos_all : st.last;
+    const int64_t lo =
+        st.s.window > 0 && q_pos_all - st.s.window + 1 > st.first ? q_pos_all - st.s.window + 1 : st.first;
+    float* pr = st.probs + r * BK;
+    vf sc[NV];
+    vi valid[NV];
+    vf vmax = splat(kNegInf);
+    for (int64_t v = 0; v < NV; ++v) {
+      const vi k_pos = iota() + static_cast<int32_t>(kb + v * W);
+      valid[v] = (k_pos >= vi{} + static_cast<int32_t>(lo)) & (k_pos <= vi{} + static_cast<int32_t>(q_pos));
+      sc[v] = valid[v] ? load(pr + v * W) : splat(kNegInf);
+      vmax = sc[v] > vmax ? sc[v] : vmax;
+    }
+    const float tile_max = hmax(vmax);
+    if (tile_max == kNegInf) {  // this row sees no key of the tile
+      for (int64_t j = 0; j < BK; ++j) pr[j] = 0.0f;
+      continue;
+    }
+    const float old_max = st.row_max[r];
+    const float new_max = old_max > tile_max ? old_max : tile_max;
+    vf vsum{};
+    for (int64_t v = 0; v < NV; ++v) {
+      const vf pv = valid[v] ? vexp(sc[v] - splat(new_max)) : vf{};
+      store(pr + v * W, pv);
+      vsum += pv;
+    }
+    if (old_max != new_max && old_max != kNegInf) {
+      const float alpha = vexp(splat(old_max - new_max))[0];
+      st.row_sum[r] *= alpha;
+      float* o = st.acc + r * d_len;
+      for (int64_t x = 0; x < d_len; x += W) store(o + x, load(o + x) * splat(alpha));
+    }
+    st.row_sum[r] += hsum(vsum);
+    st.row_max[r] = new_max;
+  }
+  accumulate_pv(st.probs, BK, 1, v_rows, st.acc, d_len, rows);
+}
+
+// Many rows (prompt chunks): scores as K . Q^T with the rows across SIMD lanes (K rows are read
+// in place, Q was transposed once per tile), the online softmax W rows at a time.
+void attend_row_vectorized(const TileState& st, int64_t kb, const int64_t* offsets, const float** v_rows) {
+  const int64_t d_len = st.d_len, rows_pad = st.rows_pad;
+  const float* k_rows[BK];
+  for (int64_t j = 0; j < BK; ++j) {
+    const int64_t p = kb + j;
+    if (p < st.first || p > st.last) {
+      k_rows[j] = st.zeros;
+      v_rows[j] = nullptr;
+      continue;
+    }
+    k_rows[j] = st.k_cache + offsets[j];
+    v_rows[j] = st.v_cache + offsets[j];
+    for (int64_t x = 0; x < d_len; x += 16) {  // this tile's V and the next keys' K, ahead of use
+      if (p + kPrefetchKeys <= st.last) __builtin_prefetch(st.k_cache + offsets[j + kPrefetchKeys] + x);
+      __builtin_prefetch(v_rows[j] + x);
+    }
+  }
+  for (int64_t j = 0; j < BK; j += KJ) {
+    int64_t rb = 0;
+    for (; rb + RV * W <= rows_pad; rb += RV * W)
+      score_block<RV>(st.q_buf + rb, rows_pad, k_rows + j, d_len, st.probs + j * rows_pad + rb);
+    for (; rb < rows_pad; rb += W)
+      score_block<1>(st.q_buf + rb, rows_pad, k_rows + j, d_len, st.probs + j * rows_pad + rb);
+  }
+  for (int64_t rb = 0; rb < rows_pad; rb += W) {  // W rows at a time; masked scores never count
+    vi lo, hi;
+    __builtin_memcpy(&lo, st.lo + rb, sizeof lo);
+    __builtin_memcpy(&hi, st.hi + rb, sizeof hi);
+    vf tile_max = splat(kNegInf);
+    for (int64_t j = 0; j < BK; ++j) {
+      const vi k_pos = vi{} + static_cast<int32_t>(kb + j);
+      const vf sc = (k_pos >= lo) & (k_pos <= hi) ? load(st.probs + j * rows_pad + rb) : splat(kNegInf);
+      tile_max = sc > tile_max ? sc : tile_max;
+    }
+    const vf old_max = load(st.row_max + rb);
+    const vf new_max = old_max > tile_max ? old_max : tile_max;
+    const vi seen = new_max > splat(kNegInf);  // rows that have seen a key (else p stays 0)
+    // rescale of the earlier sum and output; 0 where there was none yet (their values are 0)
+    const vf alpha = old_max > splat(kNegInf) ? vexp(old_max - new_max) : vf{};
+    vf tile_sum{};
+    for (int64_t j = 0; j < BK; ++j) {
+      const vi k_pos = vi{} + static_cast<int32_t>(kb + j);
+      float* pj = st.probs + j * rows_pad + rb;
+      const vf pv = (k_pos >= lo) & (k_pos <= hi) & seen ? vexp(load(pj) - new_max) : vf{};
+      store(pj, pv);
+      tile_sum += pv;
+    }
+    store(st.row_sum + rb, load(st.row_sum + rb) * alpha + tile_sum);
+    store(st.row_max + rb, new_max);
+    store(st.alpha + rb, alpha);
+  }
+  for (int64_t r = 0; r < st.rows; ++r) {
+    const float a = st.alpha[r];
+    if (a == 1.0f) continue;
+    float* o = st.acc + r * d_len;
+    for (int64_t x = 0; x < d_len; x += W) store(o + x, load(o + x) * splat(a));
+  }
+  accumulate_pv(st.probs, 1, rows_pad, v_rows, st.acc, d_len, st.rows);
 }
 
 // Flash-attention style: the tile's rows (query token i, head g -> row i * G + g) walk the
@@ -196,30 +346,49 @@ inline void accumulate_pv(const float* p, const float* const* v_rows, float* o, 
 // sum runs in a fixed order that depends only on this sequence and head (batch invariance).
 void attention_tile(const AttentionShape& s, const AttentionTile& t, const float* q, int64_t ldq,
                     const float* k_cache, const float* v_cache, float* out, int64_t ldo, float* scratch) {
-  const int64_t d_len = s.head_dim, group = s.group, rows = t.num_q * group;
-  float* qt = scratch;                     // [rows, D] scaled queries
-  float* kt = qt + rows * d_len;           // [D, BK] keys of the current tile, transposed
-  float* probs = kt + d_len * BK;          // [rows, BK] scores, then probabilities
-  float* acc = probs + rows * BK;          // [rows, D] unnormalized output
-  float* row_max = acc + rows * d_len;     // [rows]
-  float* row_sum = row_max + rows;         // [rows]
-  const vf scale = splat(s.scale);
-  for (int64_t i = 0; i < t.num_q; ++i) {
-    const float* src = q + (t.token + i) * ldq + t.kv_head * group * d_len;  // [G, D]
-    for (int64_t x = 0; x < group * d_len; x += W) store(qt + i * group * d_len + x, load(src + x) * scale);
-  }
-  for (int64_t x = 0; x < rows * d_len; ++x) acc[x] = 0.0f;
-  for (int64_t r = 0; r < rows; ++r) {
-    row_max[r] = kNegInf;
-    row_sum[r] = 0.0f;
-  }
-
-  const int64_t kv_stride = s.num_kv_heads * d_len;  // floats from one token to the next
+  const int64_t d_len = s.head_dim, group = s.group, rows = t.num_q * group, rows_pad = padded_rows(rows);
+  const bool direct = rows <= kDirectRows;
   // keys visited: the tile's key range within the rows' causal (and windowed) reach
   const int64_t reach_last = t.pos + t.num_q - 1;
   const int64_t reach_first = s.window > 0 && t.pos - s.window + 1 > 0 ? t.pos - s.window + 1 : 0;
   const int64_t last = t.key_end - 1 < reach_last ? t.key_end - 1 : reach_last;
   const int64_t first = t.key_begin > reach_first ? t.key_begin : reach_first;
+  float* acc = scratch;
+  float* row_max = acc + rows_pad * d_len;
+  float* row_sum = row_max + rows_pad;
+  float* alpha = row_sum + rows_pad;
+  float* q_buf = alpha + rows_pad;
+  float* probs = q_buf + rows_pad * d_len;
+  int32_t* lo = reinterpret_cast<int32_t*>(probs + BK * rows_pad);
+  int32_t* hi = lo + rows_pad;
+  float* zeros = reinterpret_cast<float*>(hi + rows_pad);
+  const TileState st{s, t, k_cache, v_cache, d_len, group, rows, rows_pad, first, last,
+                     acc, row_max, row_sum, alpha, q_buf, probs, lo, hi, zeros};
+
+  const vf scale = splat(s.scale);
+  for (int64_t i = 0; i < t.num_q; ++i) {
+    const float* src = q + (t.token + i) * ldq + t.kv_head * group * d_len;  // [G, D]
+    if (direct) {
+      for (int64_t x = 0; x < group * d_len; x += W) store(q_buf + i * group * d_len + x, load(src + x) * scale);
+    } else {
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < d_len; ++d) q_buf[d * rows_pad + i * group + g] = src[g * d_len + d] * s.scale;
+    }
+  }
+  for (int64_t r = 0; r < rows_pad; ++r) {
+    row_max[r] = kNegInf;
+    row_sum[r] = 0.0f;
+    const int64_t q_pos_all = t.pos + r / group;  // padded rows: empty range, never counted
+    const int64_t q_pos = r < rows ? (q_pos_all < last ? q_pos_all : last) : -1;
+    lo[r] = static_cast<int32_t>(s.window > 0 && q_pos_all - s.window + 1 > first ? q_pos_all - s.window + 1 : first);
+    hi[r] = static_cast<int32_t>(q_pos);
+    if (!direct && r >= rows)
+      for (int64_t d = 0; d < d_len; ++d) q_buf[d * rows_pad + r] = 0.0f;
+  }
+  for (int64_t x = 0; x < rows_pad * d_len; ++x) acc[x] = 0.0f;
+  for (int64_t d = 0; d < d_len; ++d) zeros[d] = 0.0f;
+
+  const int64_t kv_stride = s.num_kv_heads * d_len;  // floats from one token to the next
   const float* v_rows[BK];
   // offsets[j]: floats from the cache start to this head's row of position kb + j, for the
   // tile and kPrefetchKeys beyond (walked block by block: no division per key)
@@ -233,100 +402,19 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
     }
   }
   for (int64_t kb = first / BK * BK; kb <= last; kb += BK) {
-    {
-      int64_t block = kb / s.block_size, in_block = kb % s.block_size;
-      const int64_t end = last + 1 - kb < BK + kPrefetchKeys ? last + 1 - kb : BK + kPrefetchKeys;
-      for (int64_t j = 0; j < end; ++j) {
-        offsets[j] = (t.block_table[block] * s.block_size + in_block) * kv_stride + t.kv_head * d_len;
-        if (++in_block == s.block_size) {
-          in_block = 0;
-          ++block;
-        }
+    int64_t block = kb / s.block_size, in_block = kb % s.block_size;
+    const int64_t end = last + 1 - kb < BK + kPrefetchKeys ? last + 1 - kb : BK + kPrefetchKeys;
+    for (int64_t j = 0; j < end; ++j) {
+      offsets[j] = (t.block_table[block] * s.block_size + in_block) * kv_stride + t.kv_head * d_len;
+      if (++in_block == s.block_size) {
+        in_block = 0;
+        ++block;
       }
     }
-    int64_t r = 0;
-    if (rows <= kDirectRows) {  // few rows (decodes): dot each key in place, no transposition
-      for (int64_t j = 0; j < BK; ++j) {
-        const int64_t p = kb + j;
-        if (p < first || p > last) {  // never read: no row sees it (its score is masked below)
-          v_rows[j] = nullptr;
-          continue;
-        }
-        const float* k_row = k_cache + offsets[j];
-        v_rows[j] = v_cache + offsets[j];
-        if (p + kPrefetchKeys <= last) {  // K and V rows a few keys ahead: hide memory latency
-          const int64_t ahead = offsets[j + kPrefetchKeys];
-          for (int64_t x = 0; x < d_len; x += 16) {
-            __builtin_prefetch(k_cache + ahead + x);
-            __builtin_prefetch(v_cache + ahead + x);
-          }
-        }
-        for (r = 0; r < rows; ++r) {
-          const float* qr = qt + r * d_len;
-          vf dot{};
-          for (int64_t x = 0; x < d_len; x += W) dot = fmadd(load(qr + x), load(k_row + x), dot);
-          probs[r * BK + j] = hsum_tree(dot);
-        }
-      }
-    } else {  // K^T tile, then a register-blocked Q . K^T
-      for (int64_t j = 0; j < BK; ++j) {
-        const int64_t p = kb + j;
-        if (p < first || p > last) {
-          v_rows[j] = nullptr;
-          for (int64_t d = 0; d < d_len; ++d) kt[d * BK + j] = 0.0f;
-          continue;
-        }
-        const float* k_row = k_cache + offsets[j];
-        v_rows[j] = v_cache + offsets[j];
-        for (int64_t x = 0; x < d_len; x += 16) {  // V is read after the scores: fetch it now
-          if (p + kPrefetchKeys <= last) __builtin_prefetch(k_cache + offsets[j + kPrefetchKeys] + x);
-          __builtin_prefetch(v_rows[j] + x);
-        }
-        for (int64_t d = 0; d < d_len; ++d) kt[d * BK + j] = k_row[d];
-      }
-      for (; r + SR <= rows; r += SR) score_rows<SR>(qt + r * d_len, d_len, kt, probs + r * BK);
-      for (; r < rows; ++r) score_rows<1>(qt + r * d_len, d_len, kt, probs + r * BK);
-    }
-
-    // Mask by position, then the online-softmax update of each row.
-    for (r = 0; r < rows; ++r) {
-      const int64_t q_pos_all = t.pos + r / group;  // the row sees [lo, q_pos] of the visited keys
-      const int64_t q_pos = q_pos_all < last ? q_pos_all : last;
-      const int64_t lo = s.window > 0 && q_pos_all - s.window + 1 > first ? q_pos_all - s.window + 1 : first;
-      float* pr = probs + r * BK;
-      vf sc[NV];
-      vi valid[NV];
-      vf vmax = splat(kNegInf);
-      for (int64_t v = 0; v < NV; ++v) {
-        const vi k_pos = iota() + static_cast<int32_t>(kb + v * W);
-        valid[v] = (k_pos >= vi{} + static_cast<int32_t>(lo)) & (k_pos <= vi{} + static_cast<int32_t>(q_pos));
-        sc[v] = valid[v] ? load(pr + v * W) : splat(kNegInf);
-        vmax = sc[v] > vmax ? sc[v] : vmax;
-      }
-      const float tile_max = hmax(vmax);
-      if (tile_max == kNegInf) {  // this row sees no key of the tile
-        for (int64_t j = 0; j < BK; ++j) pr[j] = 0.0f;
-        continue;
-      }
-      const float old_max = row_max[r];
-      const float new_max = old_max > tile_max ? old_max : tile_max;
-      vf vsum{};
-      for (int64_t v = 0; v < NV; ++v) {
-        const vf pv = valid[v] ? vexp(sc[v] - splat(new_max)) : vf{};
-        store(pr + v * W, pv);
-        vsum += pv;
-      }
-      const float tile_sum = hsum(vsum);
-      if (old_max != new_max && old_max != kNegInf) {
-        const float alpha = vexp(splat(old_max - new_max))[0];
-        row_sum[r] *= alpha;
-        float* o = acc + r * d_len;
-        for (int64_t x = 0; x < d_len; x += W) store(o + x, load(o + x) * splat(alpha));
-      }
-      row_sum[r] += tile_sum;
-      row_max[r] = new_max;
-    }
-    accumulate_pv(probs, v_rows, acc, d_len, rows);
+    if (direct)
+      attend_direct(st, kb, offsets, v_rows);
+    else
+      attend_row_vectorized(st, kb, offsets, v_rows);
   }
 
   if (t.partial != nullptr) {  // a key partition: leave the combination to the caller
