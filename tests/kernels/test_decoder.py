@@ -200,11 +200,10 @@ def test_real_model_greedy_matches_python_path(our_model: LlamaForCausalLM, gguf
                                                 prompt_ids: list[list[int]]) -> None:
     """The default GGUF read as stored (Q4_1 layers, Q8_0 embedding) greedily continues two
     prompts, batched and prefilled in chunks, exactly as the dense fp32 Python path does."""
-    from backfill.model.packed_gguf import read_gguf_packed
+    from backfill.model.cpu_decoder import load_cpu_decoder
 
-    config, state = read_gguf_packed(gguf_path)
-    assert config == our_model.config
-    decoder = CpuDecoder(config, state)
+    decoder = load_cpu_decoder(gguf_path)  # packed_gguf.read_gguf_packed: the file's own blocks
+    assert decoder.config == our_model.config
     prompts = prompt_ids[:2]  # the chat prompt (two chunks) and a plain one
     expected = PagedDriver(our_model).greedy(prompts, max_new_tokens=16, chunk=24)
     got = PagedDriver(decoder).greedy(prompts, max_new_tokens=16, chunk=24)
