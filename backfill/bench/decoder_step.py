@@ -8,7 +8,8 @@ A step is forward + LM head over the last row of each sequence, every sequence d
 token after `context` cached tokens. The fused step runs twice: on the GGUF's own blocks
 (Q4_1 / Q8_0, the product path) and on F32 blocks (CpuDecoder.from_dense). Its time is split
 into linears (LM head included), attention and the rest (norms, RoPE + KV write, SiLU,
-embedding), measured inside the C++ step. Figures are min / median over interleaved repeats.
+embedding), measured inside the C++ step; the Python path's row shows its linears timed alone
+and the rest (total - linears). Figures are min / median over interleaved repeats.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def bench_steps(batches: list[int], context: int, repeats: int, block_size: int 
         for _ in range(repeats):  # interleaved, so machine noise hits every path alike
             for name, step in steps.items():
                 results[name].append(_timed(step, 1)[0])
+        linears = _python_linears(model, batch, repeats)
         for name, times in results.items():
-            split = ""
+            split = f"{linears * 1e3:8.2f} {'':>10} {(min(times) - linears) * 1e3:7.2f}" if name == "python" else ""
             if name != "python":
                 decoder = fused_q if name == "fused-q" else fused_f32
                 decoder.set_profile(True)
@@ -85,6 +87,27 @@ def bench_steps(batches: list[int], context: int, repeats: int, block_size: int 
                 decoder.set_profile(False)
                 split = f"{prof['linear'] * 1e3:8.2f} {prof['attention'] * 1e3:10.2f} {prof['other'] * 1e3:7.2f}"
             print(f"{batch:>5} {name:>12} {min(times) * 1e3:9.2f} {statistics.median(times) * 1e3:10.2f} {split}")
+
+
+@torch.inference_mode()
+def _python_linears(model: torch.nn.Module, batch: int, repeats: int) -> float:
+    """Min seconds of the Python path's linear layers alone (every layer's four, the LM head) on
+    `batch` rows: what its step costs besides them is the eager-op overhead the fused step removes."""
+    hidden = model.config.hidden_size
+    x = torch.randn(batch, hidden)  # [B, hidden]
+    attn = torch.randn(batch, model.config.num_heads * model.config.head_dim)  # [B, H * D]
+    act = torch.randn(batch, model.config.intermediate_size)  # [B, intermediate]
+
+    def run() -> None:
+        for layer in model.layers:
+            layer.self_attn.qkv_proj(x)
+            layer.self_attn.o_proj(attn)
+            layer.mlp.gate_up_proj(x)
+            layer.mlp.down_proj(act)
+        model.compute_logits(x)
+
+    run()
+    return _timed(run, repeats)[0]
 
 
 def bench_attention(repeats: int, block_size: int = 16) -> None:
