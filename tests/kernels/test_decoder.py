@@ -225,3 +225,19 @@ def test_from_prepacked_model() -> None:
     expected = PagedDriver(reference, num_blocks=48, block_size=8, seed=1)
     for batch in batches:
         assert torch.equal(got.step(batch), expected.step(batch))
+
+
+def test_drops_into_the_model_runner() -> None:
+    """The ModelRunner's contract (model(...) -> hidden, compute_logits, config, fp32 KV caches):
+    swapping CpuDecoder in for the model gives the same greedy tokens through the whole engine,
+    chunked prefill and a mixed batch included."""
+    from backfill.engine.llm import LLM
+    from backfill.model.cpu_decoder import load_cpu_decoder
+    from backfill.sampling_params import SamplingParams
+
+    llm = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, seed=0)
+    prompts = ["The capital of France is", "def add(a, b):"]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    llm.engine.runner.model = load_cpu_decoder(None)  # type: ignore[assignment]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
