@@ -1,8 +1,8 @@
 // The decoder's non-GEMM kernels over a SIMD width W (GCC vector extensions), included once by
 // each ISA translation unit after it defines BF_LANES, BF_TABLE (the table's function name),
 // BF_NAME, the vector types vf / vi (W floats / int32s) and three ISA primitives:
-// `vf fmadd(vf a, vf b, vf c)` (a * b + c, fused where the ISA has FMA), `vf reciprocal(vf d)`
-// (1 / d to ~2 ulp) and `vf splat(float s)` (a broadcast; NOTE: `vf{} + s` costs an add, since
+// `vf fmadd(vf a, vf b, vf c)` (a * b + c, fused where the ISA has FMA), `vf rcp_estimate(vf d)`
+// (1 / d to 12 bits or better) and `vf splat(float s)` (a broadcast; NOTE: `vf{} + s` costs an add, since
 // 0 + -0 is +0, and a lane-by-lane loop compiles to one masked broadcast per lane).
 // Everything here has internal linkage, so each unit keeps its own copies (see isa.h).
 // No include guard on purpose: one inclusion per unit.
@@ -53,6 +53,11 @@ inline float hmax(vf v) {
   float m = v[0];
   for (int64_t i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
   return m;
+}
+// 1 / d to ~2 ulp: the ISA's estimate and one Newton step, a fraction of a division's cost
+inline vf reciprocal(vf d) {
+  const vf r = rcp_estimate(d);
+  return r * (splat(2.0f) - d * r);
 }
 inline vi iota() {
   vi v;

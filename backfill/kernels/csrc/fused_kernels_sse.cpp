@@ -10,10 +10,7 @@ typedef float vf __attribute__((vector_size(16)));
 typedef int32_t vi __attribute__((vector_size(16)));
 inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }  // no FMA in the baseline: two roundings
 inline vf splat(float s) { return (vf)_mm_set1_ps(s); }
-inline vf reciprocal(vf d) {  // rcp (12 bits) + one Newton step: ~2 ulp, a fraction of divps' cost
-  const vf r = (vf)_mm_rcp_ps((__m128)d);
-  return r * (splat(2.0f) - d * r);
-}
+inline vf rcp_estimate(vf d) { return (vf)_mm_rcp_ps((__m128)d); }  // 12+ bits
 }  // namespace
 }  // namespace backfill
 
