@@ -50,7 +50,7 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
     const int64_t pos0 = seq_len - num_q, tile_queries = attention_tile_queries(shape.group);
     const int64_t first_key = shape.window > 0 ? std::max<int64_t>(0, pos0 - shape.window + 1) : 0;
     const int64_t num_parts = num_q == 1 ? pos0 / kDecodeSplitKeys - first_key / kDecodeSplitKeys + 1 : 1;
-    if (num_parts > 1) {  // a long decode: one tile per aligned key run, combined in finish()
+    if (num_parts > 1) {  // a long decode: one tile per aligned key run, combined at the end of run()
       for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
         splits.push_back({q_begin, h, num_partials, num_parts});
         for (int64_t part = 0; part < num_parts; ++part) {
@@ -70,13 +70,13 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
     }
   }
   TORCH_CHECK(meta.query_start[num_seqs] == meta.num_tokens, "query_start[-1] must equal the number of tokens");
-  // Longest first, so that the dynamic schedule ends with small tiles (order never changes a
-  // tile's arithmetic).
   const int64_t partial_floats = shape.group * (shape.head_dim + 2);
   if (static_cast<int64_t>(partials.size()) < num_partials * partial_floats)
     partials.resize(static_cast<size_t>(num_partials * partial_floats));
   for (size_t k = 0; k < partial_tiles.size(); ++k)
     tiles[partial_tiles[k]].partial = partials.data() + static_cast<int64_t>(k) * partial_floats;
+  // Longest first, so that the dynamic schedule ends with small tiles (order never changes a
+  // tile's arithmetic).
   auto cost = [&](const AttentionTile& t) {
     const int64_t span = std::min(t.key_end, t.pos + t.num_q) - t.key_begin;
     return t.num_q * (shape.window > 0 ? std::min(span, shape.window + t.num_q) : span);
