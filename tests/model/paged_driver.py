@@ -12,12 +12,13 @@ import torch
 from torch import Tensor
 
 from backfill.model.attention import build_attention_metadata
+from backfill.model.cpu_decoder import CpuDecoder
 from backfill.model.llama import LlamaForCausalLM
 
 
 class PagedDriver:
     def __init__(
-        self, model: LlamaForCausalLM, num_blocks: int = 64, block_size: int = 16, seed: int = 0
+        self, model: LlamaForCausalLM | CpuDecoder, num_blocks: int = 64, block_size: int = 16, seed: int = 0
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -37,7 +38,7 @@ class PagedDriver:
             needed = -(-(computed + len(token_ids)) // self.block_size)
             while len(table) < needed:
                 table.append(self.free_blocks.pop())
-        device = self.model.embed_tokens.weight.device
+        device = self.kv_caches[0][0].device
         positions, meta = build_attention_metadata(
             [self.num_computed[r] for r, _ in batch],
             [len(t) for _, t in batch],

@@ -1,8 +1,394 @@
-// The fused decoder step (one C++ call per model step). Registered on the module by bindings.cpp.
+// The fused decoder step: one Python -> C++ call runs every layer of a Llama-family decoder for
+// all T tokens of an engine step (decodes and prompt chunks mixed), reading the weights through
+// the packed linear kernels (qgemm.h), and writes the step's K/V into the paged caches.
+// Registered on the module by bindings.cpp (register_decoder).
+//
+// Per layer, over the whole step (x is the residual stream [T, hidden], kept in place):
+//   xn = rms_norm(x) ; qkv = xn @ Wqkv^T (+ b) ; rope(q, k) + write k, v to the caches (one pass)
+//   attn = paged attention ; x += attn @ Wo^T (packed_gemm accumulates into x)
+//   xn = rms_norm(x) ; gu = xn @ Wgu^T ; act = silu(gate) * up ; x += act @ Wdown^T
+// Every per-row operation runs in a fixed order that depends on that row alone, and attention
+// per (sequence, KV head, query tile): a sequence's results never depend on its companions or
+// on the thread count (the linear kernels guarantee the same for their rows).
 #include <torch/extension.h>
 
-namespace backfill {
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
 
-void register_decoder(pybind11::module& m) { (void)m; }
+#include "attention_cpu.h"
+#include "qgemm.h"
+
+namespace backfill {
+namespace {
+
+namespace py = pybind11;
+using Clock = std::chrono::steady_clock;
+// (packed uint8 tensor from repack(), ggml type id, rows, cols)
+using SegmentArg = std::tuple<torch::Tensor, int64_t, int64_t, int64_t>;
+using KVCache = std::tuple<torch::Tensor, torch::Tensor>;
+
+const float* fp32_data(const torch::Tensor& t, int64_t numel, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == numel,
+              what, " must be a contiguous fp32 CPU tensor of ", numel, " elements");
+  return t.data_ptr<float>();
+}
+
+const int64_t* int64_data(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kInt64 && t.is_contiguous(), what,
+              " must be a contiguous int64 CPU tensor");
+  return t.data_ptr<int64_t>();
+}
+
+// A linear layer y[:, 0:rows] = x @ W^T (+ bias), W stored as row segments of possibly
+// different types (e.g. fused qkv from Q4_K q/k and Q6_K v), each writing its own columns of y.
+struct Linear {
+  struct Segment {
+    torch::Tensor data;  // keeps the packed bytes alive
+    PackedMatrix matrix;
+    int64_t row_offset;
+  };
+  std::vector<Segment> segments;
+  torch::Tensor bias;  // [rows] fp32 or undefined
+  int64_t rows = 0;
+  int64_t cols = 0;
+
+  void run(const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy, bool accumulate) const {
+    const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    for (const Segment& s : segments)
+      packed_gemm(x, m, ldx, s.matrix, b == nullptr ? nullptr : b + s.row_offset, y + s.row_offset, ldy, accumulate);
+  }
+};
+
+Linear make_linear(const std::vector<SegmentArg>& segments, const c10::optional<torch::Tensor>& bias, int64_t rows,
+                   int64_t cols, const char* what) {
+  Linear lin;
+  lin.rows = rows;
+  lin.cols = cols;
+  int64_t offset = 0;
+  for (const SegmentArg& arg : segments) {
+    const torch::Tensor& data = std::get<0>(arg);
+    const QType type = static_cast<QType>(std::get<1>(arg));
+    const int64_t seg_rows = std::get<2>(arg), seg_cols = std::get<3>(arg);
+    TORCH_CHECK(block_elems(type) > 0 && seg_cols == cols && cols % block_elems(type) == 0, what,
+                ": segment of type ", std::get<1>(arg), " with ", seg_cols, " columns, expected ", cols);
+    TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == torch::kUInt8 && data.is_contiguous() &&
+                    data.numel() == packed_bytes(type, seg_rows, seg_cols),
+                what, ": packed segment must be the contiguous uint8 tensor repack() returned");
+    lin.segments.push_back({data, PackedMatrix{data.data_ptr<uint8_t>(), type, seg_rows, seg_cols}, offset});
+    offset += seg_rows;
+  }
+  TORCH_CHECK(offset == rows, what, ": segments hold ", offset, " rows, expected ", rows);
+  if (bias.has_value() && bias->defined()) {
+    fp32_data(*bias, rows, "bias");
+    lin.bias = *bias;
+  }
+  return lin;
+}
+
+struct Layer {
+  torch::Tensor input_norm;  // [hidden]
+  torch::Tensor post_norm;   // [hidden]
+  Linear qkv;                // [(H + 2 Hkv) * D, hidden]
+  Linear o_proj;             // [hidden, H * D]
+  Linear gate_up;            // [2 * intermediate, hidden]
+  Linear down;               // [hidden, intermediate]
+};
+
+// Grow-only scratch: a step larger than any before reallocates (rounded up, so growing
+// prompt chunks do not reallocate every step); others reuse the memory without page faults.
+float* ensure(std::vector<float>& buf, int64_t numel) {
+  if (static_cast<int64_t>(buf.size()) < numel) buf.resize(static_cast<size_t>(numel + numel / 4));
+  return buf.data();
+}
+
+class FusedDecoder {
+ public:
+  FusedDecoder(int64_t vocab_size, int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads,
+               int64_t head_dim, double eps)
+      : vocab_(vocab_size), hidden_(hidden), intermediate_(intermediate), num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)),
+        elementwise_(elementwise_kernels()), attention_(attention_kernels(head_dim)) {
+    TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  }
+
+  void set_embedding(const SegmentArg& table) {
+    embedding_ = make_linear({table}, c10::nullopt, vocab_, hidden_, "embedding");
+  }
+  void set_lm_head(const std::vector<SegmentArg>& head) {
+    lm_head_ = make_linear(head, c10::nullopt, vocab_, hidden_, "lm_head");
+  }
+  void set_final_norm(const torch::Tensor& weight) {
+    fp32_data(weight, hidden_, "norm weight");
+    final_norm_ = weight;
+  }
+  void add_layer(const torch::Tensor& input_norm, const torch::Tensor& post_norm, const std::vector<SegmentArg>& qkv,
+                 const c10::optional<torch::Tensor>& qkv_bias, const std::vector<SegmentArg>& o_proj,
+                 const std::vector<SegmentArg>& gate_up, const std::vector<SegmentArg>& down) {
+    fp32_data(input_norm, hidden_, "input_layernorm weight");
+    fp32_data(post_norm, hidden_, "post_attention_layernorm weight");
+    layers_.push_back({input_norm, post_norm,
+                       make_linear(qkv, qkv_bias, (num_heads_ + 2 * num_kv_heads_) * head_dim_, hidden_, "qkv_proj"),
+                       make_linear(o_proj, c10::nullopt, hidden_, num_heads_ * head_dim_, "o_proj"),
+                       make_linear(gate_up, c10::nullopt, 2 * intermediate_, hidden_, "gate_up_proj"),
+                       make_linear(down, c10::nullopt, hidden_, intermediate_, "down_proj")});
+  }
+
+  // Runs every layer over the step's T tokens, writing their K/V into `kv_caches`; returns the
+  // final-normed hidden states [T, hidden] (or only `rows` [R] int64 of them: [R, hidden]).
+  // input_ids, positions, slot_mapping: [T] int64; cos, signed_sin: [P, D] fp32 RoPE tables
+  // by position; block_tables [S, max_blocks], seq_lens [S], query_start [S + 1] int64 (as
+  // AttentionMetadata); window: sliding window or 0. Every index is checked before use.
+  torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& positions, const torch::Tensor& cos,
+                        const torch::Tensor& signed_sin,
+                        const std::vector<KVCache>& kv_caches, const torch::Tensor& slot_mapping,
+                        const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                        const torch::Tensor& query_start, int64_t window, const c10::optional<torch::Tensor>& rows) {
+    std::lock_guard<std::mutex> guard(mutex_);  // the scratch buffers serve one step at a time
+    run_layers(input_ids, positions, cos, signed_sin, kv_caches, slot_mapping, block_tables, seq_lens, query_start,
+               window);
+    const int64_t num_tokens = input_ids.numel();
+    const int64_t* index = nullptr;
+    int64_t num_out = num_tokens;
+    if (rows.has_value() && rows->defined()) {
+      index = int64_data(*rows, "rows");
+      num_out = rows->numel();
+      for (int64_t i = 0; i < num_out; ++i)
+        TORCH_CHECK(index[i] >= 0 && index[i] < num_tokens, "rows: index ", index[i], " out of range");
+    }
+    torch::Tensor out = torch::empty({num_out, hidden_}, torch::kFloat32);  // [R, hidden]
+    float* dst = out.data_ptr<float>();
+    const float* x = x_.data();
+    const float* w = final_norm_.data_ptr<float>();
+    at::parallel_for(0, num_out, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        elementwise_.rms_norm(x + (index == nullptr ? i : index[i]) * hidden_, w, eps_, hidden_, dst + i * hidden_);
+    });
+    return out;
+  }
+
+  // hidden [S, hidden] fp32 (rows already selected) -> logits [S, vocab] fp32.
+  torch::Tensor logits(const torch::Tensor& hidden) {
+    TORCH_CHECK(hidden.device().is_cpu() && hidden.scalar_type() == torch::kFloat32 && hidden.dim() == 2 &&
+                    hidden.size(1) == hidden_ && hidden.stride(1) == 1,
+                "hidden must be [S, ", hidden_, "] fp32 with unit inner stride");
+    torch::Tensor out = torch::empty({hidden.size(0), vocab_}, torch::kFloat32);  // [S, vocab]
+    const auto start = Clock::now();
+    if (hidden.size(0) > 0)
+      lm_head_.run(hidden.data_ptr<float>(), hidden.size(0), hidden.stride(0), out.data_ptr<float>(), vocab_, false);
+    if (profile_) linear_s_ += seconds_since(start);
+    return out;
+  }
+
+  void set_profile(bool on) {
+    profile_ = on;
+    linear_s_ = attention_s_ = other_s_ = 0.0;
+  }
+  // Seconds spent in the linears (LM head included), attention, and everything else since
+  // set_profile(true).
+  std::tuple<double, double, double> profile() const { return {linear_s_, attention_s_, other_s_}; }
+  std::string kernels() const { return std::string(elementwise_.name) + "/" + attention_.name; }
+
+ private:
+  static double seconds_since(Clock::time_point start) {
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  }
+
+  void run_layers(const torch::Tensor& input_ids, const torch::Tensor& positions, const torch::Tensor& cos,
+                  const torch::Tensor& signed_sin,
+                  const std::vector<KVCache>& kv_caches, const torch::Tensor& slot_mapping,
+                  const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& query_start,
+                  int64_t window) {
+    TORCH_CHECK(!layers_.empty() && embedding_.rows > 0 && final_norm_.defined(), "decoder weights are incomplete");
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "one (k_cache, v_cache) pair per layer");
+    const int64_t num_tokens = input_ids.numel();
+    TORCH_CHECK(num_tokens > 0, "a step needs at least one token");
+    const int64_t* ids = int64_data(input_ids, "input_ids");
+    for (int64_t i = 0; i < num_tokens; ++i)
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < vocab_, "input id ", ids[i], " out of range");
+    // cos, signed_sin: [P, D] tables by position (RotaryEmbedding over 0 .. P - 1)
+    const int64_t* pos = int64_data(positions, "positions");
+    TORCH_CHECK(positions.numel() == num_tokens && cos.dim() == 2 && cos.size(1) == head_dim_,
+                "positions must be [T] and cos [P, head_dim]");
+    const float* cos_p = fp32_data(cos, cos.numel(), "cos");
+    const float* sin_p = fp32_data(signed_sin, cos.numel(), "signed_sin");
+    for (int64_t i = 0; i < num_tokens; ++i)
+      TORCH_CHECK(pos[i] >= 0 && pos[i] < cos.size(0), "position ", pos[i], " outside the RoPE table");
+    const int64_t* slots = int64_data(slot_mapping, "slot_mapping");
+    TORCH_CHECK(slot_mapping.numel() == num_tokens, "slot_mapping must hold one slot per token");
+    TORCH_CHECK(block_tables.dim() == 2, "block_tables must be [S, max_blocks]");
+    const StepMeta meta{num_tokens, seq_lens.numel(), int64_data(query_start, "query_start"),
+                        int64_data(seq_lens, "seq_lens"), int64_data(block_tables, "block_tables"),
+                        block_tables.size(1)};
+    TORCH_CHECK(query_start.numel() == meta.num_seqs + 1 && block_tables.size(0) == meta.num_seqs,
+                "query_start must be [S + 1] and block_tables [S, max_blocks]");
+
+    const torch::Tensor& k0 = std::get<0>(kv_caches[0]);
+    TORCH_CHECK(k0.dim() == 4 && k0.size(2) == num_kv_heads_ && k0.size(3) == head_dim_,
+                "KV caches must be [num_blocks, block_size, num_kv_heads, head_dim]");
+    const int64_t num_blocks = k0.size(0), block_size = k0.size(1);
+    for (const KVCache& kv : kv_caches)
+      for (const torch::Tensor& c : {std::get<0>(kv), std::get<1>(kv)})
+        TORCH_CHECK(c.sizes() == k0.sizes() && c.scalar_type() == torch::kFloat32 && c.is_contiguous() &&
+                        c.device().is_cpu(),
+                    "every KV cache must be a contiguous fp32 CPU tensor shaped like the first");
+    for (int64_t i = 0; i < num_tokens; ++i)
+      TORCH_CHECK(slots[i] >= 0 && slots[i] < num_blocks * block_size, "slot ", slots[i], " out of range");
+    const AttentionShape shape{num_kv_heads_, head_dim_, num_heads_ / num_kv_heads_, block_size,
+                               1.0f / std::sqrt(static_cast<float>(head_dim_)), window > 0 ? window : 0};
+    plan_.build(meta, shape, num_blocks);
+
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const int64_t qkv_cols = q_size + 2 * kv_size;
+    float* x = ensure(x_, num_tokens * hidden_);                   // [T, hidden] residual stream
+    float* xn = ensure(xn_, num_tokens * hidden_);                 // [T, hidden] normed
+    float* qkv = ensure(qkv_, num_tokens * qkv_cols);              // [T, (H + 2 Hkv) * D]
+    float* attn = ensure(attn_, num_tokens * q_size);              // [T, H * D]
+    float* gate_up = ensure(gate_up_, num_tokens * 2 * intermediate_);  // [T, 2 * intermediate]
+    float* act = ensure(act_, num_tokens * intermediate_);         // [T, intermediate]
+
+    auto start = Clock::now();
+    auto lap = [&](double& bucket) {
+      if (!profile_) return;
+      const auto now = Clock::now();
+      bucket += std::chrono::duration<double>(now - start).count();
+      start = now;
+    };
+    packed_dequantize_rows(embedding_.segments[0].matrix, ids, num_tokens, x, hidden_);  // [T, hidden]
+    lap(other_s_);
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& layer = layers_[l];
+      float* k_cache = std::get<0>(kv_caches[l]).data_ptr<float>();  // [blocks, bs, Hkv, D]
+      float* v_cache = std::get<1>(kv_caches[l]).data_ptr<float>();  // [blocks, bs, Hkv, D]
+      norm_rows(x, layer.input_norm.data_ptr<float>(), num_tokens, xn);
+      lap(other_s_);
+      layer.qkv.run(xn, num_tokens, hidden_, qkv, qkv_cols, false);
+      lap(linear_s_);
+      rope_and_write_kv(qkv, qkv_cols, pos, cos_p, sin_p, slots, num_tokens, k_cache, v_cache);
+      lap(other_s_);
+      plan_.run(attention_, shape, qkv, qkv_cols, k_cache, v_cache, attn, q_size);
+      lap(attention_s_);
+      layer.o_proj.run(attn, num_tokens, q_size, x, hidden_, true);  // x += attn @ Wo^T
+      lap(linear_s_);
+      norm_rows(x, layer.post_norm.data_ptr<float>(), num_tokens, xn);
+      lap(other_s_);
+      layer.gate_up.run(xn, num_tokens, hidden_, gate_up, 2 * intermediate_, false);
+      lap(linear_s_);
+      at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const float* row = gate_up + t * 2 * intermediate_;  // [gate | up]
+          elementwise_.silu_mul(row, row + intermediate_, intermediate_, act + t * intermediate_);
+        }
+      });
+      lap(other_s_);
+      layer.down.run(act, num_tokens, intermediate_, x, hidden_, true);  // x += act @ Wdown^T
+      lap(linear_s_);
+    }
+  }
+
+  void norm_rows(const float* x, const float* weight, int64_t num_tokens, float* y) const {
+    at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) elementwise_.rms_norm(x + t * hidden_, weight, eps_, hidden_, y + t * hidden_);
+    });
+  }
+
+  // Rotate-half RoPE of q and k in place, x * cos + roll(x, D/2) * signed_sin (two roundings
+  // per term, as apply_rope), then k and v of each token into its cache slot.
+  void rope_and_write_kv(float* qkv, int64_t ld, const int64_t* positions, const float* cos, const float* sin,
+                         const int64_t* slots, int64_t num_tokens, float* k_cache, float* v_cache) const {
+    const int64_t d_len = head_dim_, half = head_dim_ / 2, kv_size = num_kv_heads_ * head_dim_;
+    at::parallel_for(0, num_tokens, 32, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        float* row = qkv + t * ld;  // [q heads | k heads | v heads], each [D]
+        const float* c = cos + positions[t] * d_len;
+        const float* s = sin + positions[t] * d_len;
+        for (int64_t h = 0; h < num_heads_ + num_kv_heads_; ++h) {
+          float* v = row + h * d_len;
+          for (int64_t d = 0; d < half; ++d) {
+            const float a = v[d], b = v[d + half];
+            const float lo = a * c[d], hi = b * c[d + half];
+            const float lo_rot = b * s[d], hi_rot = a * s[d + half];
+            v[d] = lo + lo_rot;
+            v[d + half] = hi + hi_rot;
+          }
+        }
+        const float* k = row + num_heads_ * d_len;  // [Hkv, D]
+        std::memcpy(k_cache + slots[t] * kv_size, k, sizeof(float) * kv_size);
+        std::memcpy(v_cache + slots[t] * kv_size, k + kv_size, sizeof(float) * kv_size);
+      }
+    });
+  }
+
+  const int64_t vocab_, hidden_, intermediate_, num_heads_, num_kv_heads_, head_dim_;
+  const float eps_;
+  const DecoderKernels& elementwise_;
+  const DecoderKernels& attention_;
+  Linear embedding_;  // [vocab, hidden], read by row
+  Linear lm_head_;    // [vocab, hidden]
+  torch::Tensor final_norm_;  // [hidden]
+  std::vector<Layer> layers_;
+
+  std::mutex mutex_;
+  AttentionPlan plan_;
+  std::vector<float> x_, xn_, qkv_, attn_, gate_up_, act_;  // scratch, see run_layers
+  bool profile_ = false;
+  double linear_s_ = 0.0, attention_s_ = 0.0, other_s_ = 0.0;
+};
+
+// Standalone paged attention (tests, benchmarks): q [T, H, D] -> out [T, H, D], the caches
+// already holding this step's K/V. Same kernels and tiling as the decoder step.
+torch::Tensor paged_attention_cpu(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                  const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                                  const torch::Tensor& query_start, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "q [T, H, D], caches 4-D");
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
+  fp32_data(q, q.numel(), "q");
+  fp32_data(k_cache, k_cache.numel(), "k_cache");
+  fp32_data(v_cache, v_cache.numel(), "v_cache");
+  const StepMeta meta{num_tokens, seq_lens.numel(), int64_data(query_start, "query_start"),
+                      int64_data(seq_lens, "seq_lens"), int64_data(block_tables, "block_tables"),
+                      block_tables.size(1)};
+  TORCH_CHECK(query_start.numel() == meta.num_seqs + 1 && block_tables.size(0) == meta.num_seqs, "bad metadata");
+  const AttentionShape shape{num_kv_heads, head_dim, num_heads / num_kv_heads, k_cache.size(1),
+                             static_cast<float>(scale), window > 0 ? window : 0};
+  AttentionPlan plan;
+  plan.build(meta, shape, k_cache.size(0));
+  torch::Tensor out = torch::empty_like(q);  // [T, H, D]
+  plan.run(attention_kernels(head_dim), shape, q.data_ptr<float>(), num_heads * head_dim,
+           k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(), num_heads * head_dim);
+  return out;
+}
+
+}  // namespace
+
+void register_decoder(pybind11::module& m) {
+  using py::arg;
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  py::class_<FusedDecoder>(m, "FusedDecoder", "the whole decoder stack of one engine step in one call")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double>(), arg("vocab_size"),
+           arg("hidden_size"), arg("intermediate_size"), arg("num_heads"), arg("num_kv_heads"), arg("head_dim"),
+           arg("rms_norm_eps"))
+      .def("set_embedding", &FusedDecoder::set_embedding, arg("table"))
+      .def("set_lm_head", &FusedDecoder::set_lm_head, arg("segments"))
+      .def("set_final_norm", &FusedDecoder::set_final_norm, arg("weight"))
+      .def("add_layer", &FusedDecoder::add_layer, arg("input_norm"), arg("post_norm"), arg("qkv"), arg("qkv_bias"),
+           arg("o_proj"), arg("gate_up"), arg("down"))
+      .def("forward", &FusedDecoder::forward, nogil, arg("input_ids"), arg("positions"), arg("cos"), arg("signed_sin"),
+           arg("kv_caches"), arg("slot_mapping"), arg("block_tables"), arg("seq_lens"), arg("query_start"),
+           arg("window"), arg("rows") = py::none())
+      .def("logits", &FusedDecoder::logits, nogil, arg("hidden"))
+      .def("set_profile", &FusedDecoder::set_profile, arg("on"))
+      .def("profile", &FusedDecoder::profile)
+      .def("kernels", &FusedDecoder::kernels);
+  m.def("paged_attention", &paged_attention_cpu, nogil, "paged attention of one step (fused decoder's kernels)",
+        arg("q"), arg("k_cache"), arg("v_cache"), arg("block_tables"), arg("seq_lens"), arg("query_start"),
+        arg("scale"), arg("window") = 0);
+}
 
 }  // namespace backfill

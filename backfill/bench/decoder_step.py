@@ -1,0 +1,160 @@
+"""Micro-benchmark of one engine step: the fused C++ decoder (CpuDecoder) vs the Python path
+(LlamaForCausalLM, fp32, oneDNN-prepacked as the ModelRunner runs it), and the CPU attention
+kernel alone vs the Python paged attention.
+
+    python -m backfill.bench.decoder_step [--batches 1 8 32] [--context 128] [--repeats 5] [--threads N]
+
+A step is forward + LM head over the last row of each sequence, every sequence decoding one
+token after `context` cached tokens. The fused step runs twice: on the GGUF's own blocks
+(Q4_1 / Q8_0, the product path) and on F32 blocks (CpuDecoder.from_dense). Its time is split
+into linears (LM head included), attention and the rest (norms, RoPE + KV write, SiLU,
+embedding), measured inside the C++ step; the Python path's row shows its linears timed alone
+and the rest (total - linears). Figures are min / median over interleaved repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from backfill import kernels
+from backfill.model.attention import build_attention_metadata, paged_attention
+from backfill.model.cpu_decoder import CpuDecoder
+from backfill.model.loader import default_model_path, load_model
+from backfill.model.packed_gguf import read_gguf_packed
+
+
+def _timed(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times), statistics.median(times)
+
+
+def bench_steps(batches: list[int], context: int, repeats: int, block_size: int = 16) -> None:
+    model = load_model(None, torch.float32, torch.device("cpu"))
+    fused_f32 = CpuDecoder.from_dense(model)
+    model.prepack_weights()
+    config, state = read_gguf_packed(default_model_path())
+    fused_q = CpuDecoder(config, state)
+    print(f"fused step kernels: {fused_q.kernels} (linears: {kernels.extension().isa()}), "
+          f"{torch.get_num_threads()} threads, context {context}")
+    blocks_per_seq = -(-(context + 1) // block_size)
+    print(f"{'batch':>5} {'path':>12} {'min ms':>9} {'median ms':>10} {'linear':>8} {'attention':>10} {'other':>7}")
+    for batch in batches:
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+        positions, meta = build_attention_metadata([context] * batch, [1] * batch, tables, block_size,
+                                                   torch.device("cpu"))
+        input_ids = torch.randint(0, config.vocab_size, (batch,))  # [B]
+        rows = torch.arange(batch)  # [B], every row samples
+        caches = {name: m.make_kv_caches(batch * blocks_per_seq, block_size)
+                  for name, m in (("python", model), ("fused-q", fused_q), ("fused-f32", fused_f32))}
+        for cache in caches.values():
+            for k, v in cache:
+                k.normal_()
+                v.normal_()
+
+        @torch.inference_mode()
+        def python_step() -> None:
+            hidden = model(input_ids, positions, caches["python"], meta)  # [B, hidden]
+            model.compute_logits(hidden[rows])
+
+        def fused_step(decoder: CpuDecoder, name: str) -> Callable[[], object]:
+            return lambda: decoder.forward_logits(input_ids, positions, caches[name], meta, rows)
+
+        steps = {"python": python_step, "fused-q": fused_step(fused_q, "fused-q"),
+                 "fused-f32": fused_step(fused_f32, "fused-f32")}
+        for step in steps.values():  # warm-up: scratch buffers, caches
+            step()
+        results: dict[str, list[float]] = {name: [] for name in steps}
+        for _ in range(repeats):  # interleaved, so machine noise hits every path alike
+            for name, step in steps.items():
+                results[name].append(_timed(step, 1)[0])
+        linears = _python_linears(model, batch, repeats)
+        for name, times in results.items():
+            split = f"{linears * 1e3:8.2f} {'':>10} {(min(times) - linears) * 1e3:7.2f}" if name == "python" else ""
+            if name != "python":
+                decoder = fused_q if name == "fused-q" else fused_f32
+                decoder.set_profile(True)
+                steps[name]()
+                prof = decoder.profile()
+                decoder.set_profile(False)
+                split = f"{prof['linear'] * 1e3:8.2f} {prof['attention'] * 1e3:10.2f} {prof['other'] * 1e3:7.2f}"
+            print(f"{batch:>5} {name:>12} {min(times) * 1e3:9.2f} {statistics.median(times) * 1e3:10.2f} {split}")
+
+
+@torch.inference_mode()
+def _python_linears(model: torch.nn.Module, batch: int, repeats: int) -> float:
+    """Min seconds of the Python path's linear layers alone (every layer's four, the LM head) on
+    `batch` rows: what its step costs besides them is the eager-op overhead the fused step removes."""
+    hidden = model.config.hidden_size
+    x = torch.randn(batch, hidden)  # [B, hidden]
+    attn = torch.randn(batch, model.config.num_heads * model.config.head_dim)  # [B, H * D]
+    act = torch.randn(batch, model.config.intermediate_size)  # [B, intermediate]
+
+    def run() -> None:
+        for layer in model.layers:
+            layer.self_attn.qkv_proj(x)
+            layer.self_attn.o_proj(attn)
+            layer.mlp.gate_up_proj(x)
+            layer.mlp.down_proj(act)
+        model.compute_logits(x)
+
+    run()
+    return _timed(run, repeats)[0]
+
+
+def bench_attention(repeats: int, block_size: int = 16) -> None:
+    """One layer's attention of the default model's shape (9 heads, 3 KV heads, head_dim 64)."""
+    ext = kernels.extension()
+    heads, kv_heads, head_dim = 9, 3, 64
+    cases = [("decode 1 x 128", [128], [1]), ("decode 1 x 4000", [4000], [1]), ("decode 32 x 128", [128] * 32, [1] * 32),
+             ("decode 32 x 1000", [1000] * 32, [1] * 32), ("prompt 512", [0], [512]),
+             ("chunk 512 after 2048", [2048], [512]), ("chunk 512 after 7488", [7488], [512])]
+    print(f"\nattention, one layer ({heads} heads, {kv_heads} KV heads, head_dim {head_dim}), min ms")
+    print(f"{'case':>22} {'fused':>8} {'python':>8}")
+    for name, num_computed, query_lens in cases:
+        tables, next_block = [], 0
+        for nc, q in zip(num_computed, query_lens):
+            n = -(-(nc + q) // block_size)
+            tables.append(list(range(next_block, next_block + n)))
+            next_block += n
+        _, meta = build_attention_metadata(num_computed, query_lens, tables, block_size, torch.device("cpu"))
+        shape = (next_block, block_size, kv_heads, head_dim)
+        k_cache, v_cache = torch.randn(shape), torch.randn(shape)  # [blocks, bs, Hkv, D]
+        q = torch.randn(sum(query_lens), heads, head_dim)  # [T, H, D]
+        scale = head_dim**-0.5
+        reps = repeats if sum(query_lens) < 512 else max(2, repeats // 3)
+        fused = _timed(lambda: ext.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                                   meta.query_start, scale, 0), reps)[0]
+        python = _timed(lambda: paged_attention(q, k_cache, v_cache, meta, scale), reps)[0]
+        print(f"{name:>22} {fused * 1e3:8.2f} {python * 1e3:8.2f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--skip-steps", action="store_true", help="only the attention comparison")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if not kernels.available():
+        print("the CPU kernels extension is unavailable")
+        return 1
+    if not args.skip_steps:
+        bench_steps(args.batches, args.context, args.repeats)
+    bench_attention(args.repeats * 4)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+// Paged attention of one step on the CPU: the step's sequences cut into tiles (a decode is one
+// tile; a prompt chunk one tile per attention_tile_queries(G) tokens, per KV head), run over torch's
+// intra-op pool with dynamic scheduling. Shared by the fused decoder and its own binding.
+#include "attention_cpu.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "qgemm.h"
+
+namespace backfill {
+
+const DecoderKernels& elementwise_kernels() {
+  const char* isa = active_isa();
+  if (std::strcmp(isa, "avx512") == 0) return decoder_kernels_avx512();
+  if (std::strcmp(isa, "avx2") == 0) return decoder_kernels_avx2();
+  return decoder_kernels_sse();
+}
+
+const DecoderKernels& attention_kernels(int64_t head_dim) {
+  TORCH_CHECK(head_dim % 4 == 0, "the CPU attention kernels need head_dim % 4 == 0, got ", head_dim);
+  const DecoderKernels& best = elementwise_kernels();
+  if (head_dim % best.lanes == 0) return best;
+  if (best.lanes > 8 && head_dim % 8 == 0) return decoder_kernels_avx2();  // the CPU has AVX-512, so AVX2 too
+  return decoder_kernels_sse();
+}
+
+void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int64_t num_blocks) {
+  tiles.clear();
+  splits.clear();
+  int64_t num_partials = 0;
+  std::vector<size_t> partial_tiles;  // tiles of split decodes, in partition order
+  const int64_t num_seqs = meta.num_seqs;
+  TORCH_CHECK(meta.query_start[0] == 0, "query_start[0] must be 0");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_begin = meta.query_start[s], num_q = meta.query_start[s + 1] - q_begin;
+    const int64_t seq_len = meta.seq_lens[s];
+    TORCH_CHECK(num_q >= 1 && seq_len >= num_q, "sequence ", s, ": query length ", num_q, ", seq_len ", seq_len);
+    const int64_t blocks_needed = (seq_len + shape.block_size - 1) / shape.block_size;
+    TORCH_CHECK(blocks_needed <= meta.max_blocks, "sequence ", s, ": block table too short for ", seq_len, " tokens");
+    const int64_t* table = meta.block_tables + s * meta.max_blocks;
+    for (int64_t b = 0; b < blocks_needed; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", s, ": block id ", table[b], " out of range");
+    const int64_t pos0 = seq_len - num_q, tile_queries = attention_tile_queries(shape.group);
+    const int64_t first_key = shape.window > 0 ? std::max<int64_t>(0, pos0 - shape.window + 1) : 0;
+    const int64_t num_parts = num_q == 1 ? pos0 / kDecodeSplitKeys - first_key / kDecodeSplitKeys + 1 : 1;
+    if (num_parts > 1) {  // a long decode: one tile per aligned key run, combined at the end of run()
+      for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
+        splits.push_back({q_begin, h, num_partials, num_parts});
+        for (int64_t part = 0; part < num_parts; ++part) {
+          const int64_t begin = std::max(first_key, (first_key / kDecodeSplitKeys + part) * kDecodeSplitKeys);
+          const int64_t end = std::min(seq_len, (first_key / kDecodeSplitKeys + part + 1) * kDecodeSplitKeys);
+          partial_tiles.push_back(tiles.size());  // its partial buffer is assigned once all are counted
+          tiles.push_back({q_begin, pos0, 1, h, table, begin, end, nullptr});
+          ++num_partials;
+        }
+      }
+      continue;
+    }
+    for (int64_t i = 0; i < num_q; i += tile_queries) {
+      const int64_t n = std::min(tile_queries, num_q - i);
+      for (int64_t h = 0; h < shape.num_kv_heads; ++h)
+        tiles.push_back({q_begin + i, pos0 + i, n, h, table, 0, pos0 + i + n, nullptr});
+    }
+  }
+  TORCH_CHECK(meta.query_start[num_seqs] == meta.num_tokens, "query_start[-1] must equal the number of tokens");
+  const int64_t partial_floats = shape.group * (shape.head_dim + 2);
+  if (static_cast<int64_t>(partials.size()) < num_partials * partial_floats)
+    partials.resize(static_cast<size_t>(num_partials * partial_floats));
+  for (size_t k = 0; k < partial_tiles.size(); ++k)
+    tiles[partial_tiles[k]].partial = partials.data() + static_cast<int64_t>(k) * partial_floats;
+  // Longest first, so that the dynamic schedule ends with small tiles (order never changes a
+  // tile's arithmetic).
+  auto cost = [&](const AttentionTile& t) {
+    const int64_t span = std::min(t.key_end, t.pos + t.num_q) - t.key_begin;
+    return t.num_q * (shape.window > 0 ? std::min(span, shape.window + t.num_q) : span);
+  };
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [&](const AttentionTile& a, const AttentionTile& b) { return cost(a) > cost(b); });
+}
+
+void AttentionPlan::run(const DecoderKernels& kernels, const AttentionShape& shape, const float* q, int64_t ldq,
+                        const float* k_cache, const float* v_cache, float* out, int64_t ldo) {
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
+  const int64_t per_worker = kernels.attention_scratch(shape);
+  if (static_cast<int64_t>(scratch.size()) < num_workers * per_worker)
+    scratch.resize(static_cast<size_t>(num_workers * per_worker));
+  std::atomic<int64_t> next{0};
+  // One chunk per worker; each takes tiles off a shared counter until none are left.
+  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      float* mine = scratch.data() + w * per_worker;
+      for (int64_t i = next.fetch_add(1); i < num_tiles; i = next.fetch_add(1))
+        kernels.attention_tile(shape, tiles[static_cast<size_t>(i)], q, ldq, k_cache, v_cache, out, ldo, mine);
+    }
+  });
+  // Split decodes: out = sum_p w_p acc_p / sum_p w_p sum_p, w_p = exp(max_p - max), in position order.
+  const int64_t d_len = shape.head_dim, partial_floats = shape.group * (d_len + 2);
+  for (const Split& split : splits) {
+    const float* parts = partials.data() + split.first_partial * partial_floats;  // [parts, G, D + 2]
+    for (int64_t g = 0; g < shape.group; ++g) {
+      float* dst = out + split.token * ldo + (split.kv_head * shape.group + g) * d_len;  // [D]
+      float row_max = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < split.num_parts; ++p)
+        row_max = std::max(row_max, parts[p * partial_floats + g * (d_len + 2) + d_len]);
+      float denom = 0.0f;
+      for (int64_t x = 0; x < d_len; ++x) dst[x] = 0.0f;
+      for (int64_t p = 0; p < split.num_parts; ++p) {
+        const float* part = parts + p * partial_floats + g * (d_len + 2);  // [D + 2]
+        if (part[d_len + 1] == 0.0f) continue;  // the partition held no key of this row
+        const float w = std::exp(part[d_len] - row_max);
+        denom += w * part[d_len + 1];
+        for (int64_t x = 0; x < d_len; ++x) dst[x] += w * part[x];
+      }
+      for (int64_t x = 0; x < d_len; ++x) dst[x] /= denom;
+    }
+  }
+}
+
+}  // namespace backfill

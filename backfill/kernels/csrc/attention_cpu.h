@@ -1,0 +1,49 @@
+// Paged attention of a whole step (torch side: threads, checks); the math is in fused_kernels.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "fused_kernels.h"
+
+namespace backfill {
+
+// The kernels table for norms and SiLU (the best the CPU runs) and for attention (the widest
+// whose SIMD width divides head_dim; head_dim % 4 == 0 is required).
+const DecoderKernels& elementwise_kernels();
+const DecoderKernels& attention_kernels(int64_t head_dim);
+
+// One step's sequences, as raw views of AttentionMetadata's int64 tensors.
+struct StepMeta {
+  int64_t num_tokens;           // T
+  int64_t num_seqs;             // S
+  const int64_t* query_start;   // [S + 1]
+  const int64_t* seq_lens;      // [S], tokens in the cache after this step
+  const int64_t* block_tables;  // [S, max_blocks]
+  int64_t max_blocks;
+};
+
+// The step's attention work list, built once per step (checked against the cache size) and
+// run once per layer. Holds the per-worker scratch between steps.
+struct AttentionPlan {
+  // A decode split into key partitions: its tiles' partial results, in position order.
+  struct Split {
+    int64_t token;
+    int64_t kv_head;
+    int64_t first_partial;  // index of its first partition in `partials` (rows x (D + 2) floats each)
+    int64_t num_parts;
+  };
+  std::vector<AttentionTile> tiles;
+  std::vector<Split> splits;
+  std::vector<float> partials;  // [partitions, G, D + 2]
+  std::vector<float> scratch;   // [workers, attention_scratch(shape)]
+
+  void build(const StepMeta& meta, const AttentionShape& shape, int64_t num_blocks);
+  // out[t, h, :] for every token t and query head h (q, out: [T, H * D] rows of stride ldq, ldo).
+  void run(const DecoderKernels& kernels, const AttentionShape& shape, const float* q, int64_t ldq,
+           const float* k_cache, const float* v_cache, float* out, int64_t ldo);
+};
+
+}  // namespace backfill

@@ -1,0 +1,79 @@
+// The decoder step's non-GEMM kernels (attention over the paged KV cache, RMSNorm, SiLU*mul),
+// written once in fused_kernels_impl.h over a SIMD width W and compiled per instruction set
+// (fused_kernels_avx512.cpp, fused_kernels_avx2.cpp, fused_kernels_sse.cpp). Like isa.h,
+// this header includes no torch or STL headers: see isa.h for the ODR reason.
+#pragma once
+
+#include <cstdint>
+
+namespace backfill {
+
+// Geometry of one layer's attention: KV cache [num_blocks, block_size, num_kv_heads, head_dim]
+// fp32, contiguous; query head h reads KV head h / group.
+struct AttentionShape {
+  int64_t num_kv_heads;
+  int64_t head_dim;
+  int64_t group;  // query heads per KV head
+  int64_t block_size;
+  float scale;     // softmax scale applied to q.k
+  int64_t window;  // sliding window (a query at p sees p - window + 1 .. p); 0: none
+};
+
+// One unit of attention work: up to attention_tile_queries(group) consecutive query tokens of one
+// sequence against one KV head (all `group` query heads of it), over the keys the queries see
+// within [key_begin, key_end). A long decode is split into key partitions (see
+// kDecodeSplitKeys) whose unnormalized results go to `partial` and are combined afterwards.
+struct AttentionTile {
+  int64_t token;  // flat-batch row of the first query
+  int64_t pos;    // its position in the sequence (the rows after it are pos + 1, pos + 2, ...)
+  int64_t num_q;  // query tokens in the tile
+  int64_t kv_head;
+  const int64_t* block_table;  // the sequence's block ids (covers positions 0 .. pos + num_q - 1)
+  int64_t key_begin;  // first key position visited (0: from the start, or the window's start)
+  int64_t key_end;    // one past the last key position visited (pos + num_q: up to the causal limit)
+  // null: write the normalized output rows. Else rows x (D + 2) floats: for each row r = i * G + g
+  // its unnormalized output [D], then its running max and sum (a key partition of a decode).
+  float* partial;
+};
+
+// A decode whose keys span more than one aligned run of this many positions is split into
+// those runs (one task each, combined in position order): a long context's attention spreads
+// over every thread even at batch 1. A function of positions only (batch invariant).
+constexpr int64_t kDecodeSplitKeys = 256;
+
+// Query tokens per tile: a decode is a tile of one; a prompt chunk is cut into tiles of this
+// many tokens (a function of the model alone, so a sequence's arithmetic never depends on its
+// companions). Up to 128 tokens x G heads share each K/V tile read (and its transposition),
+// capped at ~512 rows so a tile's scratch stays in L2.
+constexpr int64_t kAttentionTileQueries = 128;
+constexpr int64_t kAttentionTileRows = 512;
+// NOTE: static (internal linkage): an inline function here would be compiled per ISA unit and
+// the linker could keep the AVX-512 copy for every caller (see isa.h).
+static constexpr int64_t attention_tile_queries(int64_t group) {
+  const int64_t by_rows = kAttentionTileRows / group;
+  return by_rows < 1 ? 1 : by_rows < kAttentionTileQueries ? by_rows : kAttentionTileQueries;
+}
+// Keys per inner tile: one online-softmax update (max, exp, rescale) per row per 64 keys.
+constexpr int64_t kAttentionTileKeys = 64;
+
+struct DecoderKernels {
+  const char* name;
+  int64_t lanes;  // SIMD width W in floats; attention_tile needs head_dim % lanes == 0
+  // floats of per-thread scratch attention_tile needs for tiles of up to attention_tile_queries
+  int64_t (*attention_scratch)(const AttentionShape& shape);
+  // out rows (token .. token + num_q) x heads of kv_head = softmax(q k^T * scale) v, causal
+  // (and windowed) by position. q: row t at q + t * ldq, heads [H][D]; out likewise with ldo.
+  void (*attention_tile)(const AttentionShape& shape, const AttentionTile& tile, const float* q, int64_t ldq,
+                         const float* k_cache, const float* v_cache, float* out, int64_t ldo, float* scratch);
+  // y[n] = x[n] / sqrt(mean(x^2) + eps) * w[n] (statistics in fp32, fixed summation order)
+  void (*rms_norm)(const float* x, const float* w, float eps, int64_t n, float* y);
+  // y[n] = silu(gate[n]) * up[n]
+  void (*silu_mul)(const float* gate, const float* up, int64_t n, float* y);
+};
+
+// One table per variant; the dispatcher (decoder.cpp) picks by the CPU and head_dim.
+const DecoderKernels& decoder_kernels_avx512();  // W = 16
+const DecoderKernels& decoder_kernels_avx2();    // W = 8
+const DecoderKernels& decoder_kernels_sse();     // W = 4 (x86-64 baseline: SSE2)
+
+}  // namespace backfill

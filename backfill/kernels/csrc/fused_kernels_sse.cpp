@@ -1,0 +1,20 @@
+// Baseline x86-64 (SSE2) build of the decoder kernels (W = 4), for CPUs without AVX2 and for
+// head_dim not a multiple of 8. See fused_kernels_impl.h.
+#include <xmmintrin.h>
+
+#include <cstdint>
+
+namespace backfill {
+namespace {
+typedef float vf __attribute__((vector_size(16)));
+typedef int32_t vi __attribute__((vector_size(16)));
+inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }  // no FMA in the baseline: two roundings
+inline vf splat(float s) { return (vf)_mm_set1_ps(s); }
+inline vf rcp_estimate(vf d) { return (vf)_mm_rcp_ps((__m128)d); }  // 12+ bits
+}  // namespace
+}  // namespace backfill
+
+#define BF_LANES 4
+#define BF_TABLE decoder_kernels_sse
+#define BF_NAME "sse"
+#include "fused_kernels_impl.h"

@@ -1,0 +1,270 @@
+"""CpuDecoder: the whole decoder stack of one engine step in one C++ call (CPU, fp32 activations).
+
+A drop-in for `LlamaForCausalLM` in the ModelRunner on CPU: the same `forward(input_ids,
+positions, kv_caches, meta)` and `compute_logits(hidden_rows)`, the same KV cache layout, the
+same numbers to fp32 rounding. Where LlamaForCausalLM runs ~20 eager ops per layer, this runs
+the C++ `FusedDecoder` of backfill/kernels/csrc/decoder.cpp: RMSNorm, the fused qkv linear,
+RoPE and the KV write in one pass, paged attention over the caches directly (no gather), the
+residual adds inside the o_proj/down GEMMs, SiLU*mul in one pass. Linear weights are read as
+stored (GGUF blocks, or fp32) by the packed kernels of qgemm.h.
+
+Weights come as a state dict in our parameter names (see `CpuDecoder.__init__`); a linear is
+one `PackedWeight` or a list of them stacked by rows (fused qkv from a Q4_K q/k and a Q6_K v),
+or a dense fp32 tensor (stored as F32 blocks).
+
+Batch invariance: a sequence's logits are bit-identical whether it runs alone or with others,
+in any order, on any thread count (given the same chunking of its own prompt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from backfill import kernels
+from backfill.model.attention import AttentionMetadata
+from backfill.model.config import ModelConfig
+from backfill.model.layers import RotaryEmbedding
+from backfill.model.llama import LlamaForCausalLM
+
+# ggml type ids the packed kernels read (qtypes.h): F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K.
+SUPPORTED_QTYPES: frozenset[int] = frozenset({0, 1, 2, 3, 8, 12, 14})
+F32 = 0
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """One weight matrix [rows, cols] as stored in a GGUF file: `data` [rows, row_bytes] uint8 of
+    raw ggml blocks (row r = output feature r, in our row order), `qtype` its ggml type id."""
+
+    data: Tensor  # [rows, row_bytes] uint8
+    qtype: int
+    rows: int
+    cols: int
+
+    @classmethod
+    def from_dense(cls, weight: Tensor) -> PackedWeight:
+        """fp32 [rows, cols] -> F32 blocks (a row is its fp32 bytes); any float dtype is cast."""
+        w = weight.detach().to(torch.float32).contiguous()  # [rows, cols]
+        return cls(w.view(torch.uint8), F32, int(w.shape[0]), int(w.shape[1]))  # data: [rows, 4 * cols]
+
+
+LinearWeights = PackedWeight | list[PackedWeight] | Tensor
+
+
+def unsupported_reason(config: ModelConfig) -> str | None:
+    """Why CpuDecoder cannot run `config` on this machine, or None when it can."""
+    if not kernels.available():
+        return "the CPU kernels extension is not available"
+    if config.head_dim % 4 != 0:
+        return f"head_dim {config.head_dim} is not a multiple of 4"
+    return None
+
+
+class CpuDecoder:
+    """LlamaForCausalLM's forward and compute_logits as one fused C++ step per call (CPU).
+
+    Not an nn.Module: it holds packed weights only, and is called by the ModelRunner exactly
+    like the model (`decoder(input_ids, positions, kv_caches, meta)`). One step at a time
+    (concurrent calls serialize on the C++ side's scratch buffers); the GIL is released while
+    a step runs.
+    """
+
+    def __init__(self, config: ModelConfig, state: Mapping[str, LinearWeights]) -> None:
+        """`state`, in our parameter names (loader._fuse's), per layer i:
+        `layers.{i}.input_layernorm.weight`, `layers.{i}.post_attention_layernorm.weight`
+        fp32 [hidden]; `layers.{i}.self_attn.qkv_proj.weight` (rows [q | k | v], q/k already in
+        the rotate-half layout: a llama GGUF's rows unpermuted), optional
+        `layers.{i}.self_attn.qkv_proj.bias` fp32 [(H + 2 Hkv) * D] (Qwen2),
+        `layers.{i}.self_attn.o_proj.weight`, `layers.{i}.mlp.gate_up_proj.weight` (rows
+        [gate | up]), `layers.{i}.mlp.down_proj.weight`; and `embed_tokens.weight`,
+        `norm.weight` fp32 [hidden], `lm_head.weight` (untied models only). Linears and the
+        embedding are LinearWeights (see the module docstring)."""
+        reason = unsupported_reason(config)
+        if reason is not None:
+            raise RuntimeError(f"CpuDecoder: {reason}")
+        ext = kernels.extension()
+        assert ext is not None
+        self.config = config
+        self._rotary = RotaryEmbedding(config)
+        # cos, signed_sin [P, D] for positions 0 .. P - 1, grown (doubled) when a step needs more:
+        # the C++ step reads rows by position, so a step costs no Python RoPE ops.
+        self._rope_cos = torch.empty(0, config.head_dim)
+        self._rope_sin = torch.empty(0, config.head_dim)
+        self._step = ext.FusedDecoder(
+            config.vocab_size, config.hidden_size, config.intermediate_size, config.num_heads,
+            config.num_kv_heads, config.head_dim, config.rms_norm_eps,
+        )
+        missing = [name for name in _expected_names(config) if name not in state]
+        if missing:
+            raise KeyError(f"CpuDecoder: missing weights {missing[:6]}")
+        embedding = _segments(state["embed_tokens.weight"], ext)
+        if len(embedding) != 1:
+            raise ValueError("embed_tokens.weight must be a single matrix")
+        self._step.set_embedding(embedding[0])
+        head = state["embed_tokens.weight"] if config.tie_word_embeddings else state["lm_head.weight"]
+        self._step.set_lm_head(embedding if head is state["embed_tokens.weight"] else _segments(head, ext))
+        self._step.set_final_norm(_norm(state["norm.weight"]))
+        for i in range(config.num_layers):
+            pre = f"layers.{i}."
+            bias = state.get(pre + "self_attn.qkv_proj.bias")
+            self._step.add_layer(
+                _norm(state[pre + "input_layernorm.weight"]),
+                _norm(state[pre + "post_attention_layernorm.weight"]),
+                _segments(state[pre + "self_attn.qkv_proj.weight"], ext),
+                None if bias is None else _norm(bias),  # type: ignore[arg-type]
+                _segments(state[pre + "self_attn.o_proj.weight"], ext),
+                _segments(state[pre + "mlp.gate_up_proj.weight"], ext),
+                _segments(state[pre + "mlp.down_proj.weight"], ext),
+            )
+
+    @classmethod
+    def from_dense(cls, model: LlamaForCausalLM) -> CpuDecoder:
+        """The same model with every weight held as F32 blocks (works for any model folder;
+        the dense model may be dropped afterwards). Accepts a prepacked model too."""
+        state: dict[str, LinearWeights] = {
+            name: p.detach().float() for name, p in model.state_dict().items() if not name.endswith("_proj.weight")
+        }
+        for i, layer in enumerate(model.layers):
+            pre = f"layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            state[pre + "self_attn.qkv_proj.weight"] = attn.qkv_proj.weight
+            if attn.qkv_proj.bias is not None:  # a prepacked model's is no state_dict entry
+                state[pre + "self_attn.qkv_proj.bias"] = attn.qkv_proj.bias
+            state[pre + "self_attn.o_proj.weight"] = attn.o_proj.weight
+            state[pre + "mlp.gate_up_proj.weight"] = mlp.gate_up_proj.weight
+            state[pre + "mlp.down_proj.weight"] = mlp.down_proj.weight
+        if not model.config.tie_word_embeddings:
+            head = model.lm_head if model.lm_head is not None else model.packed_lm_head
+            assert head is not None
+            state["lm_head.weight"] = head.weight
+        return cls(model.config, state)
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata
+    ) -> Tensor:
+        """input_ids, positions: [T] int64 -> hidden [T, hidden] fp32 (after the final norm).
+
+        Writes this step's K/V into `kv_caches` (per layer (k, v), each fp32
+        [num_blocks, block_size, Hkv, D], contiguous) at `meta.slot_mapping`, as
+        LlamaForCausalLM.forward does."""
+        return self._run(input_ids, positions, kv_caches, meta, None)
+
+    __call__ = forward
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [S, hidden] (rows already selected) -> logits [S, vocab] float32."""
+        return self._step.logits(hidden.float())
+
+    def forward_logits(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[tuple[Tensor, Tensor]],
+        meta: AttentionMetadata,
+        logits_index: Tensor,
+    ) -> Tensor:
+        """forward + compute_logits(hidden[logits_index]) in one call: logits [S, vocab] fp32 of
+        the rows `logits_index` [S] int64 (the final norm runs on those rows only)."""
+        hidden = self._run(input_ids, positions, kv_caches, meta, logits_index)  # [S, hidden]
+        return self._step.logits(hidden)
+
+    def make_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[Tensor, Tensor]]:
+        """Zeroed per-layer (k_cache, v_cache) pairs, fp32 [num_blocks, block_size, Hkv, D] each."""
+        shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+        return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(self.config.num_layers)]
+
+    def set_profile(self, on: bool) -> None:
+        """Start (and zero) or stop the C++ side's timers; see `profile`."""
+        self._step.set_profile(on)
+
+    def profile(self) -> dict[str, float]:
+        """Seconds spent since set_profile(True) in the linears (LM head included), attention,
+        and everything else of the step (norms, RoPE and KV writes, SiLU, embedding)."""
+        linear, attention, other = self._step.profile()
+        return {"linear": linear, "attention": attention, "other": other}
+
+    @property
+    def kernels(self) -> str:
+        """The instruction sets the step runs: "<norms, SiLU>/<attention>", e.g. "avx512/avx512"."""
+        return str(self._step.kernels())
+
+    def _run(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[tuple[Tensor, Tensor]],
+        meta: AttentionMetadata,
+        rows: Tensor | None,
+    ) -> Tensor:
+        max_position = max(meta.seq_lens_list) - 1  # the last position any token of the step has
+        if max_position >= self._rope_cos.shape[0]:
+            self._grow_rope_tables(max_position + 1)
+        return self._step.forward(
+            input_ids.contiguous(),
+            positions.contiguous(),
+            self._rope_cos,  # [P, D]
+            self._rope_sin,  # [P, D]
+            kv_caches,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start,
+            meta.sliding_window or 0,
+            rows,
+        )  # [T or S, hidden]
+
+    def _grow_rope_tables(self, num_positions: int) -> None:
+        size = max(4096, self._rope_cos.shape[0])
+        while size < num_positions:
+            size *= 2
+        cos, signed_sin = self._rotary(torch.arange(size), torch.float32)  # [P, 1, D] each
+        self._rope_cos = cos.view(size, -1).contiguous()  # [P, D]
+        self._rope_sin = signed_sin.view(size, -1).contiguous()  # [P, D]
+
+
+def load_cpu_decoder(model: str | None) -> CpuDecoder:
+    """The model at `model` (loader.resolve_model_path's rules) as a CpuDecoder: a GGUF's
+    tensors as stored (see packed_gguf.read_gguf_packed), a Hugging Face folder's as F32 blocks."""
+    from backfill.model.loader import is_gguf, load_model, resolve_model_path
+    from backfill.model.packed_gguf import read_gguf_packed
+
+    path = resolve_model_path(model)
+    if is_gguf(path):
+        config, state = read_gguf_packed(path)
+        return CpuDecoder(config, state)
+    return CpuDecoder.from_dense(load_model(path, torch.float32, torch.device("cpu")))
+
+
+def _expected_names(config: ModelConfig) -> list[str]:
+    names = ["embed_tokens.weight", "norm.weight"] + ([] if config.tie_word_embeddings else ["lm_head.weight"])
+    for i in range(config.num_layers):
+        pre = f"layers.{i}."
+        names += [pre + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                    "self_attn.qkv_proj.weight", "self_attn.o_proj.weight",
+                                    "mlp.gate_up_proj.weight", "mlp.down_proj.weight")]
+        if config.attention_bias:
+            names.append(pre + "self_attn.qkv_proj.bias")
+    return names
+
+
+def _norm(weight: LinearWeights) -> Tensor:
+    assert isinstance(weight, Tensor), "norm weights and biases are plain fp32 tensors"
+    return weight.detach().to(torch.float32).contiguous()  # [n]
+
+
+def _segments(weights: LinearWeights, ext: object) -> list[tuple[Tensor, int, int, int]]:
+    """A linear's weights -> the C++ side's (packed bytes, qtype, rows, cols) row segments."""
+    if isinstance(weights, Tensor):
+        weights = PackedWeight.from_dense(weights)
+    segments = [weights] if isinstance(weights, PackedWeight) else list(weights)
+    out = []
+    for w in segments:
+        if w.qtype not in SUPPORTED_QTYPES:
+            raise ValueError(f"ggml type {w.qtype} is not read by the packed kernels ({sorted(SUPPORTED_QTYPES)})")
+        raw = w.data.reshape(w.rows, -1).contiguous()  # [rows, row_bytes] uint8
+        out.append((ext.repack(raw, w.qtype, w.cols), w.qtype, w.rows, w.cols))  # type: ignore[attr-defined]
+    return out

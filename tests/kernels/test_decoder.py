@@ -1,0 +1,243 @@
+"""The fused CPU decoder step (CpuDecoder) against LlamaForCausalLM: tiny random models of every
+supported architecture feature over chained mixed steps, quantized weights in row segments,
+batch and thread-count invariance, every SIMD variant, and the real default model's greedy output."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from backfill import kernels
+from backfill.model.config import ModelConfig
+from backfill.model.cpu_decoder import CpuDecoder, LinearWeights, PackedWeight
+from backfill.model.llama import LlamaForCausalLM
+from tests.model.paged_driver import PagedDriver
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="CPU kernels extension unavailable")
+
+BASE = dict(
+    vocab_size=101, hidden_size=64, intermediate_size=88, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+    rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
+    tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_ids=(),
+)
+CONFIGS = {
+    "gqa2_hd16": {},
+    "mqa_hd32_untied": dict(num_kv_heads=1, head_dim=32, tie_word_embeddings=False),
+    "qwen2_bias_hd64": dict(head_dim=64, attention_bias=True),
+    "sliding_window": dict(sliding_window=7),
+    "yarn": dict(head_dim=32, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+}
+# (request id, new tokens) per step: fresh prompts, then decodes beside a chunk after a cached
+# prefix and a fresh prompt, then decodes in another order, then a prompt beside decodes.
+SCHEDULE = [
+    [("a", 13), ("b", 5), ("c", 20)],
+    [("a", 1), ("b", 1), ("c", 10), ("d", 9)],
+    [("a", 1), ("b", 1), ("c", 1), ("d", 1)],
+    [("d", 1), ("c", 1), ("a", 1), ("b", 1)],
+    [("a", 1), ("e", 17), ("b", 1), ("c", 1), ("d", 1)],
+]
+LOGITS_ATOL = 1e-4
+
+
+def tiny_model(name: str, seed: int = 0, **overrides: object) -> LlamaForCausalLM:
+    config = ModelConfig(**{**BASE, **CONFIGS[name], **overrides})  # type: ignore[arg-type]
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    for pname, p in model.named_parameters():
+        if "norm" in pname:
+            p.uniform_(0.5, 1.5)
+        elif p.dim() == 1:  # q/k/v bias
+            p.normal_(0.0, 0.3)
+        else:  # activations stay O(1): std 1 / sqrt(fan_in), the embedding O(1)
+            p.normal_(0.0, 1.0 if "embed" in pname else p.shape[1] ** -0.5)
+    return model
+
+
+def token_batches(vocab: int, seed: int, schedule=SCHEDULE) -> list[list[tuple[str, list[int]]]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [[(r, torch.randint(0, vocab, (n,), generator=gen).tolist()) for r, n in step] for step in schedule]
+
+
+def run_twins(reference, fused, batches, block_size: int = 8) -> None:
+    """Both models over the same steps and block tables: logits and KV caches agree each step."""
+    ref_driver = PagedDriver(reference, num_blocks=48, block_size=block_size, seed=1)
+    fused_driver = PagedDriver(fused, num_blocks=48, block_size=block_size, seed=1)
+    for i, batch in enumerate(batches):
+        expected = ref_driver.step(batch)  # [S, vocab]
+        got = fused_driver.step(batch)  # [S, vocab]
+        assert got.dtype == torch.float32 and got.shape == expected.shape
+        torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=1e-5, msg=lambda m: f"step {i}: {m}")
+        for layer, ((rk, rv), (fk, fv)) in enumerate(zip(ref_driver.kv_caches, fused_driver.kv_caches)):
+            torch.testing.assert_close(fk, rk, atol=1e-5, rtol=1e-5, msg=lambda m: f"step {i} layer {layer} K: {m}")
+            torch.testing.assert_close(fv, rv, atol=1e-5, rtol=1e-5, msg=lambda m: f"step {i} layer {layer} V: {m}")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_matches_llama_dense(name: str) -> None:
+    model = tiny_model(name)
+    run_twins(model, CpuDecoder.from_dense(model), token_batches(model.config.vocab_size, seed=2))
+
+
+def quantize(weight: torch.Tensor, qtype: int) -> tuple[PackedWeight, torch.Tensor]:
+    """[rows, cols] fp32 -> (ggml blocks of `qtype`, the fp32 values they stand for)."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    t = GGMLQuantizationType(qtype)
+    raw = gguf_quantize(weight.numpy(), t)  # [rows, row_bytes] uint8
+    values = torch.from_numpy(np.ascontiguousarray(dequantize(raw, t)))  # [rows, cols]
+    return PackedWeight(torch.from_numpy(raw), qtype, *weight.shape), values
+
+
+def test_quantized_segments_match_llama() -> None:
+    """Q8_0 / Q4_1 / F32 row segments in one linear (as Q4_K_M files mix Q4_K and Q6_K), a
+    quantized embedding table and untied head; the reference runs on the same values in fp32."""
+    q8, q41 = 8, 3
+    # blocks of 32 along every input dimension: intermediate 96
+    model = tiny_model("mqa_hd32_untied", intermediate_size=96, attention_bias=True)
+    config = model.config
+    state: dict[str, LinearWeights] = {}
+    q_rows = config.num_heads * config.head_dim
+    kv_rows = config.num_kv_heads * config.head_dim
+
+    def segmented(pname: str, cuts: list[int], types: list[int]) -> None:
+        weight = dict(model.named_parameters())[pname]  # [rows, cols]
+        segments = []
+        for (start, end), qtype in zip(zip(cuts[:-1], cuts[1:]), types):
+            packed, values = quantize(weight[start:end].contiguous(), qtype) if qtype else (
+                PackedWeight.from_dense(weight[start:end]), weight[start:end])
+            weight[start:end] = values
+            segments.append(packed)
+        state[pname] = segments
+
+    for i in range(config.num_layers):
+        pre = f"layers.{i}."
+        segmented(pre + "self_attn.qkv_proj.weight", [0, q_rows, q_rows + kv_rows, q_rows + 2 * kv_rows], [q8, q41, 0])
+        segmented(pre + "self_attn.o_proj.weight", [0, config.hidden_size], [q41])
+        segmented(pre + "mlp.gate_up_proj.weight", [0, 96, 192], [q8, q41])
+        segmented(pre + "mlp.down_proj.weight", [0, config.hidden_size], [q8])
+    segmented("embed_tokens.weight", [0, config.vocab_size], [q8])
+    segmented("lm_head.weight", [0, config.vocab_size], [q41])
+    for pname, p in model.named_parameters():
+        state.setdefault(pname, p.detach().clone())
+    state["embed_tokens.weight"] = state["embed_tokens.weight"][0]  # type: ignore[index]
+    run_twins(model, CpuDecoder(config, state), token_batches(config.vocab_size, seed=4))
+
+
+def test_batch_invariant() -> None:
+    """One sequence's logits, bit for bit: alone, batched with decodes and prompt chunks, reordered."""
+    model = tiny_model("sliding_window")
+    decoder = CpuDecoder.from_dense(model)
+    gen = torch.Generator().manual_seed(5)
+    x_tokens = torch.randint(0, 101, (16,), generator=gen).tolist()
+    x_steps = [x_tokens[:11]] + [[t] for t in x_tokens[11:]]  # prompt, then 5 decodes
+
+    def others(n: int) -> list[int]:
+        return torch.randint(0, 101, (n,), generator=gen).tolist()
+
+    alone_driver = PagedDriver(decoder, num_blocks=48, block_size=8, seed=2)
+    alone = [alone_driver.step([("x", ids)])[0] for ids in x_steps]
+    companions = [
+        [("y", others(9)), ("x", None)],
+        [("y", others(1)), ("w", others(12)), ("x", None)],
+        [("x", None), ("w", others(1)), ("y", others(1))],
+        [("v", others(20)), ("w", others(1)), ("x", None), ("y", others(1))],
+        [("y", others(1)), ("x", None)],
+        [("x", None), ("v", others(1))],
+    ]
+    driver = PagedDriver(decoder, num_blocks=48, block_size=8, seed=3)
+    for i, batch in enumerate(companions):
+        rows = [(r, x_steps[i] if ids is None else ids) for r, ids in batch]
+        logits = driver.step(rows)  # [S, vocab]
+        got = logits[[r for r, _ in batch].index("x")]
+        assert torch.equal(got, alone[i]), f"step {i}: x's logits differ when batched"
+
+
+def test_thread_count_invariant() -> None:
+    model = tiny_model("gqa2_hd16")
+    decoder = CpuDecoder.from_dense(model)
+    batches = token_batches(101, seed=6)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, max(2, threads)):
+            torch.set_num_threads(n)
+            driver = PagedDriver(decoder, num_blocks=48, block_size=8, seed=1)
+            results.append([driver.step(b) for b in batches])
+    finally:
+        torch.set_num_threads(threads)
+    for i, (one, many) in enumerate(zip(*results)):
+        assert torch.equal(one, many), f"step {i} differs between 1 and {max(2, threads)} threads"
+
+
+def check_lower_isa() -> None:
+    """Run by test_lower_isa in a subprocess with BACKFILL_ISA set: the dense comparison again."""
+    model = tiny_model("qwen2_bias_hd64")
+    decoder = CpuDecoder.from_dense(model)
+    run_twins(model, decoder, token_batches(101, seed=2))
+    print(decoder.kernels)
+
+
+@pytest.mark.parametrize(("isa", "expected"), [("avx2", "avx2/avx2"), ("scalar", "sse/sse")])
+def test_lower_isa(isa: str, expected: str) -> None:
+    """The AVX2 and baseline kernels (the ones an AVX2-only EPYC or an old CPU runs) in full."""
+    if isa == "avx2" and kernels.extension().isa() == "scalar":
+        pytest.skip("this CPU has no AVX2")
+    env = {**os.environ, "BACKFILL_ISA": isa}
+    code = "from tests.kernels.test_decoder import check_lower_isa; check_lower_isa()"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == expected
+
+
+def test_real_model_greedy_matches_python_path(our_model: LlamaForCausalLM, gguf_path: str,
+                                                prompt_ids: list[list[int]]) -> None:
+    """The default GGUF read as stored (Q4_1 layers, Q8_0 embedding) greedily continues two
+    prompts, batched and prefilled in chunks, exactly as the dense fp32 Python path does."""
+    from backfill.model.cpu_decoder import load_cpu_decoder
+
+    decoder = load_cpu_decoder(gguf_path)  # packed_gguf.read_gguf_packed: the file's own blocks
+    assert decoder.config == our_model.config
+    prompts = prompt_ids[:2]  # the chat prompt (two chunks) and a plain one
+    expected = PagedDriver(our_model).greedy(prompts, max_new_tokens=16, chunk=24)
+    got = PagedDriver(decoder).greedy(prompts, max_new_tokens=16, chunk=24)
+    assert got == expected
+
+
+def test_from_prepacked_model() -> None:
+    """from_dense reads a model whose linears were prepacked for oneDNN (weights and q/k/v bias
+    held as attributes, the LM head moved to packed_lm_head)."""
+    from backfill.model.prepack import prepack_supported
+
+    if not prepack_supported(torch.float32, torch.device("cpu")):
+        pytest.skip("no oneDNN prepacking in this torch build")
+    model = tiny_model("qwen2_bias_hd64", tie_word_embeddings=False)
+    reference = CpuDecoder.from_dense(model)
+    model.prepack_weights()
+    batches = token_batches(101, seed=7)
+    got = PagedDriver(CpuDecoder.from_dense(model), num_blocks=48, block_size=8, seed=1)
+    expected = PagedDriver(reference, num_blocks=48, block_size=8, seed=1)
+    for batch in batches:
+        assert torch.equal(got.step(batch), expected.step(batch))
+
+
+def test_drops_into_the_model_runner() -> None:
+    """The ModelRunner's contract (model(...) -> hidden, compute_logits, config, fp32 KV caches):
+    swapping CpuDecoder in for the model gives the same greedy tokens through the whole engine,
+    chunked prefill and a mixed batch included."""
+    from backfill.engine.llm import LLM
+    from backfill.model.cpu_decoder import load_cpu_decoder
+    from backfill.sampling_params import SamplingParams
+
+    llm = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, seed=0)
+    prompts = ["The capital of France is", "def add(a, b):"]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    llm.engine.runner.model = load_cpu_decoder(None)  # type: ignore[assignment]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
