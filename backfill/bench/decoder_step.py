@@ -24,8 +24,7 @@ import torch
 from backfill import kernels
 from backfill.model.attention import build_attention_metadata, paged_attention
 from backfill.model.cpu_decoder import CpuDecoder
-from backfill.model.loader import default_model_path, load_model
-from backfill.model.packed_gguf import read_gguf_packed
+from backfill.model.loader import load_model, load_stored_weights
 
 
 def _timed(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
@@ -41,7 +40,7 @@ def bench_steps(batches: list[int], context: int, repeats: int, block_size: int 
     model = load_model(None, torch.float32, torch.device("cpu"))
     fused_f32 = CpuDecoder.from_dense(model)
     model.prepack_weights()
-    config, state = read_gguf_packed(default_model_path())
+    config, state = load_stored_weights(None)
     fused_q = CpuDecoder(config, state)
     print(f"fused step kernels: {fused_q.kernels} (linears: {kernels.extension().isa()}), "
           f"{torch.get_num_threads()} threads, context {context}")

@@ -94,6 +94,7 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     sliding_window: int | None = None,
+    plan_torch_attention: bool = True,
 ) -> tuple[Tensor, AttentionMetadata]:
     """Flatten one step's sequences into positions [T] int64 and the shared metadata.
 
@@ -101,7 +102,9 @@ def build_attention_metadata(
     `num_computed_tokens[i] .. num_computed_tokens[i] + query_lens[i] - 1`; its block table
     must cover all of them (it may hold extra trailing blocks, which are ignored).
     With `sliding_window` W, the query at position p attends to positions p - W + 1 .. p only
-    (the model's ModelConfig.sliding_window).
+    (the model's ModelConfig.sliding_window). `plan_torch_attention=False` skips the decode
+    groups and prompt masks that only `paged_attention` reads (the CPU kernels' step needs the
+    tensors alone).
     """
     num_seqs = len(query_lens)
     assert len(num_computed_tokens) == num_seqs and len(block_tables) == num_seqs
@@ -149,6 +152,8 @@ def build_attention_metadata(
         sliding_window=sliding_window,
     )
 
+    if not plan_torch_attention:
+        return cpu_positions.to(device), meta  # positions: [T]
     decode_seqs = [i for i in range(num_seqs) if query_lens[i] == 1]
     meta.num_decode = len(decode_seqs)
     for group in _group_by_length(decode_seqs, seq_lens, block_size):

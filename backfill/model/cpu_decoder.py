@@ -9,8 +9,8 @@ residual adds inside the o_proj/down GEMMs, SiLU*mul in one pass. Linear weights
 stored (GGUF blocks, or fp32) by the packed kernels of qgemm.h.
 
 Weights come as a state dict in our parameter names (see `CpuDecoder.__init__`); a linear is
-one `PackedWeight` or a list of them stacked by rows (fused qkv from a Q4_K q/k and a Q6_K v),
-or a dense fp32 tensor (stored as F32 blocks).
+a `QuantWeight` (quant.py: the file's blocks, row segments of several types where a fused
+linear mixes them, e.g. a Q4_K q/k and a Q6_K v) or a dense fp32 tensor (stored as F32 blocks).
 
 Batch invariance: a sequence's logits are bit-identical whether it runs alone or with others,
 in any order, on any thread count (given the same chunking of its own prompt).
@@ -19,8 +19,6 @@ in any order, on any thread count (given the same chunking of its own prompt).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
@@ -29,30 +27,9 @@ from backfill.model.attention import AttentionMetadata
 from backfill.model.config import ModelConfig
 from backfill.model.layers import RotaryEmbedding
 from backfill.model.llama import LlamaForCausalLM
+from backfill.model.quant import F32, KERNEL_TYPES, QuantSegment, QuantWeight, type_name
 
-# ggml type ids the packed kernels read (qtypes.h): F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K.
-SUPPORTED_QTYPES: frozenset[int] = frozenset({0, 1, 2, 3, 8, 12, 14})
-F32 = 0
-
-
-@dataclass(frozen=True)
-class PackedWeight:
-    """One weight matrix [rows, cols] as stored in a GGUF file: `data` [rows, row_bytes] uint8 of
-    raw ggml blocks (row r = output feature r, in our row order), `qtype` its ggml type id."""
-
-    data: Tensor  # [rows, row_bytes] uint8
-    qtype: int
-    rows: int
-    cols: int
-
-    @classmethod
-    def from_dense(cls, weight: Tensor) -> PackedWeight:
-        """fp32 [rows, cols] -> F32 blocks (a row is its fp32 bytes); any float dtype is cast."""
-        w = weight.detach().to(torch.float32).contiguous()  # [rows, cols]
-        return cls(w.view(torch.uint8), F32, int(w.shape[0]), int(w.shape[1]))  # data: [rows, 4 * cols]
-
-
-LinearWeights = PackedWeight | list[PackedWeight] | Tensor
+LinearWeights = QuantWeight | Tensor
 
 
 def unsupported_reason(config: ModelConfig) -> str | None:
@@ -105,20 +82,24 @@ class CpuDecoder:
         if len(embedding) != 1:
             raise ValueError("embed_tokens.weight must be a single matrix")
         self._step.set_embedding(embedding[0])
-        head = state["embed_tokens.weight"] if config.tie_word_embeddings else state["lm_head.weight"]
-        self._step.set_lm_head(embedding if head is state["embed_tokens.weight"] else _segments(head, ext))
+        head = embedding if config.tie_word_embeddings else _segments(state["lm_head.weight"], ext)
+        self._step.set_lm_head(head)
         self._step.set_final_norm(_norm(state["norm.weight"]))
+        # Bytes of weights every step reads in full: each layer's linears and the LM head (the
+        # embedding table is read only at the step's T rows). What `bench roofline` charges.
+        self.weight_bytes_per_step = _nbytes(head)
         for i in range(config.num_layers):
             pre = f"layers.{i}."
             bias = state.get(pre + "self_attn.qkv_proj.bias")
+            linears = [_segments(state[pre + name], ext) for name in (
+                "self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight")]
+            self.weight_bytes_per_step += sum(_nbytes(segments) for segments in linears)
             self._step.add_layer(
                 _norm(state[pre + "input_layernorm.weight"]),
                 _norm(state[pre + "post_attention_layernorm.weight"]),
-                _segments(state[pre + "self_attn.qkv_proj.weight"], ext),
+                linears[0],
                 None if bias is None else _norm(bias),  # type: ignore[arg-type]
-                _segments(state[pre + "self_attn.o_proj.weight"], ext),
-                _segments(state[pre + "mlp.gate_up_proj.weight"], ext),
-                _segments(state[pre + "mlp.down_proj.weight"], ext),
+                *linears[1:],
             )
 
     @classmethod
@@ -226,17 +207,14 @@ class CpuDecoder:
         self._rope_sin = signed_sin.view(size, -1).contiguous()  # [P, D]
 
 
-def load_cpu_decoder(model: str | None) -> CpuDecoder:
-    """The model at `model` (loader.resolve_model_path's rules) as a CpuDecoder: a GGUF's
-    tensors as stored (see packed_gguf.read_gguf_packed), a Hugging Face folder's as F32 blocks."""
-    from backfill.model.loader import is_gguf, load_model, resolve_model_path
-    from backfill.model.packed_gguf import read_gguf_packed
+def load_cpu_decoder(model: str | None, quantization: str = "auto") -> CpuDecoder:
+    """The model at `model` (loader.resolve_model_path's rules) as a CpuDecoder, its matrices
+    stored as `quantization` says (loader.load_stored_weights): by default a GGUF's as stored,
+    a Hugging Face folder's as F32 blocks."""
+    from backfill.model.loader import load_stored_weights
 
-    path = resolve_model_path(model)
-    if is_gguf(path):
-        config, state = read_gguf_packed(path)
-        return CpuDecoder(config, state)
-    return CpuDecoder.from_dense(load_model(path, torch.float32, torch.device("cpu")))
+    config, state = load_stored_weights(model, quantization)
+    return CpuDecoder(config, state)
 
 
 def _expected_names(config: ModelConfig) -> list[str]:
@@ -256,15 +234,24 @@ def _norm(weight: LinearWeights) -> Tensor:
     return weight.detach().to(torch.float32).contiguous()  # [n]
 
 
+def dense_weight(weight: Tensor) -> QuantWeight:
+    """fp32 [rows, cols] (any float dtype is cast) -> one F32 segment (a row is its fp32 bytes)."""
+    w = weight.detach().to(torch.float32).contiguous()  # [rows, cols]
+    return QuantWeight([QuantSegment(w.view(torch.uint8), F32)], int(w.shape[1]))  # raw: [rows, 4 * cols]
+
+
+def _nbytes(segments: list[tuple[Tensor, int, int, int]]) -> int:
+    return sum(int(packed.numel()) for packed, _, _, _ in segments)
+
+
 def _segments(weights: LinearWeights, ext: object) -> list[tuple[Tensor, int, int, int]]:
     """A linear's weights -> the C++ side's (packed bytes, qtype, rows, cols) row segments."""
     if isinstance(weights, Tensor):
-        weights = PackedWeight.from_dense(weights)
-    segments = [weights] if isinstance(weights, PackedWeight) else list(weights)
+        weights = dense_weight(weights)
     out = []
-    for w in segments:
-        if w.qtype not in SUPPORTED_QTYPES:
-            raise ValueError(f"ggml type {w.qtype} is not read by the packed kernels ({sorted(SUPPORTED_QTYPES)})")
-        raw = w.data.reshape(w.rows, -1).contiguous()  # [rows, row_bytes] uint8
-        out.append((ext.repack(raw, w.qtype, w.cols), w.qtype, w.rows, w.cols))  # type: ignore[attr-defined]
+    for segment in weights.segments:
+        if segment.qtype not in KERNEL_TYPES:
+            raise ValueError(f"{type_name(segment.qtype)} is not read by the packed kernels")
+        raw = segment.raw.contiguous()  # [rows, row_bytes] uint8
+        out.append((ext.repack(raw, segment.qtype, weights.cols), segment.qtype, segment.rows, weights.cols))  # type: ignore[attr-defined]
     return out

@@ -142,6 +142,29 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, signed_sin, kv_cache, meta)  # [T, hidden]
         return self.norm(x)  # [T, hidden]
 
+    def forward_logits(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[tuple[Tensor, Tensor]],
+        meta: AttentionMetadata,
+        logits_index: Tensor,
+    ) -> Tensor:
+        """forward, then compute_logits on the rows `logits_index` [S] int64 -> [S, vocab] fp32."""
+        hidden = self(input_ids, positions, kv_caches, meta)  # [T, hidden]
+        return self.compute_logits(hidden[logits_index])  # [S, vocab]
+
+    @property
+    def weight_bytes_per_step(self) -> int:
+        """Bytes of weights a step reads in full: every linear and the LM head (the embedding
+        table only at the step's rows); a prepacked model's dense copies are not counted."""
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        linears = sum(p.numel() * p.element_size() for name, p in self.layers.named_parameters()
+                      if name.endswith("proj.weight"))
+        packed = sum(m.weight.numel() * m.weight.element_size() for m in self.layers.modules()
+                     if isinstance(m, PackedLinear))
+        return linears + packed + head.numel() * head.element_size()
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [S, hidden] (rows already selected) -> logits [S, vocab] float32.
 

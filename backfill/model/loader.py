@@ -26,7 +26,8 @@ from torch import Tensor
 
 from backfill.model.config import ModelConfig
 from backfill.model.llama import LlamaForCausalLM
-from backfill.model.quant import F32, KERNEL_TYPES, QuantSegment, QuantWeight, as_raw_rows, dequantize_raw, merge_segments
+from backfill.model.quant import (F16, F32, KERNEL_TYPES, Q8_0, QuantSegment, QuantWeight, as_raw_rows, dequantize_raw,
+                                  merge_segments, quantize_dense)
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,31 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> L
         time.perf_counter() - start,
     )
     return net
+
+
+def load_stored_weights(model: str | None, quantization: str = "auto") -> tuple[ModelConfig, dict[str, Any]]:
+    """Config and state dict for the CPU kernels (model/cpu_decoder.py): every matrix
+    (linears, embedding, LM head) a `QuantWeight`, norms and biases fp32 tensors.
+
+    `quantization` (EngineConfig's): "auto" keeps a GGUF's matrices as stored and a Hugging
+    Face folder's as F32; "int8" stores them weight-only in Q8_0 blocks (per 32 weights one
+    fp16 scale), "fp16" in F16 (a GGUF is requantized from its dequantized values).
+    """
+    path = resolve_model_path(model)
+    if is_gguf(path) and quantization == "auto":
+        return _read_gguf(path, torch.float32, as_stored=True)
+    config, state = _read_gguf(path, torch.float32) if is_gguf(path) else _read_hf_folder(path, torch.float32)
+    qtype = {"auto": F32, "int8": Q8_0, "fp16": F16}[quantization]
+    stored: dict[str, Any] = {}
+    for name, tensor in state.items():
+        if tensor.dim() != 2:
+            stored[name] = tensor
+            continue
+        cols = int(tensor.shape[1])
+        # Q8_0 needs whole blocks of 32 along each row; a matrix without them stays F32.
+        segment = quantize_dense(tensor, qtype if qtype != Q8_0 or cols % 32 == 0 else F32)
+        stored[name] = QuantWeight([segment], cols)
+    return config, stored
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ def build_batch(
     device: torch.device,
     scratch_block: int | None = None,
     sliding_window: int | None = None,
+    plan_torch_attention: bool = True,
 ) -> Batch:
     """Build the step's tensors once; every layer reuses them.
 
@@ -65,6 +66,7 @@ def build_batch(
         block_size=block_size,
         device=device,
         sliding_window=sliding_window,
+        plan_torch_attention=plan_torch_attention,
     )
     return Batch(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),

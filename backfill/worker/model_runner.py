@@ -9,7 +9,10 @@ import torch
 
 from backfill.config import EngineConfig
 from backfill.core.outputs import ModelRunnerOutput, SchedulerOutput
-from backfill.model.loader import load_model, preferred_dtype
+from backfill import kernels
+from backfill.model.cpu_decoder import CpuDecoder, unsupported_reason
+from backfill.model.llama import LlamaForCausalLM
+from backfill.model.loader import load_model, load_stored_weights, preferred_dtype
 from backfill.model.prepack import prepack_supported
 from backfill.worker.input_batch import build_batch
 from backfill.worker.sampler import Sampler
@@ -39,13 +42,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        self.model = load_model(config.model, self.dtype, self.device)
-        if config.prepack_weights and prepack_supported(self.dtype, self.device):
-            num_packed = self.model.prepack_weights()
-            logger.info("prepacked %d linear weights for oneDNN (dense copies kept for 1-3 row steps)", num_packed)
+        self.model: LlamaForCausalLM | CpuDecoder = self._load_model()
+        self.dtype = torch.float32 if isinstance(self.model, CpuDecoder) else resolve_dtype(config.dtype, self.device)
         self.model_config = self.model.config
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.block_size = config.block_size
@@ -59,6 +59,33 @@ class ModelRunner:
             device=self.device,
             seed=config.seed,
         )
+
+    def _load_model(self) -> LlamaForCausalLM | CpuDecoder:
+        """The CPU kernels' fused decoder over weights as stored where they apply (CPU, fp32
+        activations, the extension built), else the plain-PyTorch model (the reference, and the
+        GPU path), in `dtype` with its weights expanded."""
+        config = self.config
+        wants_kernels = config.quantization != "none" and self.device.type == "cpu" and config.dtype in ("auto", "float32")
+        if wants_kernels:
+            model_config, state = load_stored_weights(config.model, config.quantization) if kernels.available() else (None, None)
+            reason = "the CPU kernels extension is not available" if model_config is None else unsupported_reason(model_config)
+            if reason is None:
+                decoder = CpuDecoder(model_config, state)  # type: ignore[arg-type]
+                logger.info("CPU kernels (%s): %.1f MB of weights read per step", decoder.kernels,
+                            decoder.weight_bytes_per_step / 1e6)
+                return decoder
+            if config.quantization != "auto":
+                raise ValueError(f"quantization={config.quantization!r} needs the CPU kernels: {reason}")
+            logger.warning("%s: running the plain-PyTorch model with expanded weights", reason)
+        elif config.quantization not in ("auto", "none"):
+            raise ValueError(f"quantization={config.quantization!r} runs on the CPU kernels only "
+                             f"(device {config.device}, dtype {config.dtype}); use 'auto' or 'none'")
+        dtype = resolve_dtype(config.dtype, self.device)
+        model = load_model(config.model, dtype, self.device)
+        if config.prepack_weights and prepack_supported(dtype, self.device):
+            num_packed = model.prepack_weights()
+            logger.info("prepacked %d linear weights for oneDNN (dense copies kept for 1-3 row steps)", num_packed)
+        return model
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -101,11 +128,13 @@ class ModelRunner:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
 
         batch = build_batch(scheduler_output, self.block_size, self.device, self.scratch_block,
-                            self.model_config.sliding_window)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)  # [T, hidden]
+                            self.model_config.sliding_window,
+                            plan_torch_attention=not isinstance(self.model, CpuDecoder))
+        logits = self.model.forward_logits(
+            batch.input_ids, batch.positions, self.kv_caches, batch.metadata, batch.logits_index
+        )  # [S_sample + P, vocab] float32
         if not batch.sample_request_ids:  # only partial prompt chunks (and padding) this step
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
-        logits = self.model.compute_logits(hidden[batch.logits_index])  # [S_sample + P, vocab] float32
         num_sample = len(batch.sample_request_ids)
         sampled = self.sampler.sample(batch.sample_request_ids, logits[:num_sample])  # padding rows dropped
         return ModelRunnerOutput(

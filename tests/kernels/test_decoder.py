@@ -14,7 +14,8 @@ import torch
 
 from backfill import kernels
 from backfill.model.config import ModelConfig
-from backfill.model.cpu_decoder import CpuDecoder, LinearWeights, PackedWeight
+from backfill.model.cpu_decoder import CpuDecoder, LinearWeights, dense_weight
+from backfill.model.quant import QuantSegment, QuantWeight
 from backfill.model.llama import LlamaForCausalLM
 from tests.model.paged_driver import PagedDriver
 
@@ -83,7 +84,7 @@ def test_matches_llama_dense(name: str) -> None:
     run_twins(model, CpuDecoder.from_dense(model), token_batches(model.config.vocab_size, seed=2))
 
 
-def quantize(weight: torch.Tensor, qtype: int) -> tuple[PackedWeight, torch.Tensor]:
+def quantize(weight: torch.Tensor, qtype: int) -> tuple[QuantSegment, torch.Tensor]:
     """[rows, cols] fp32 -> (ggml blocks of `qtype`, the fp32 values they stand for)."""
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -92,7 +93,7 @@ def quantize(weight: torch.Tensor, qtype: int) -> tuple[PackedWeight, torch.Tens
     t = GGMLQuantizationType(qtype)
     raw = gguf_quantize(weight.numpy(), t)  # [rows, row_bytes] uint8
     values = torch.from_numpy(np.ascontiguousarray(dequantize(raw, t)))  # [rows, cols]
-    return PackedWeight(torch.from_numpy(raw), qtype, *weight.shape), values
+    return QuantSegment(torch.from_numpy(raw), qtype), values
 
 
 def test_quantized_segments_match_llama() -> None:
@@ -111,10 +112,10 @@ def test_quantized_segments_match_llama() -> None:
         segments = []
         for (start, end), qtype in zip(zip(cuts[:-1], cuts[1:]), types):
             packed, values = quantize(weight[start:end].contiguous(), qtype) if qtype else (
-                PackedWeight.from_dense(weight[start:end]), weight[start:end])
+                dense_weight(weight[start:end]).segments[0], weight[start:end])
             weight[start:end] = values
             segments.append(packed)
-        state[pname] = segments
+        state[pname] = QuantWeight(segments, weight.shape[1])
 
     for i in range(config.num_layers):
         pre = f"layers.{i}."
@@ -126,7 +127,6 @@ def test_quantized_segments_match_llama() -> None:
     segmented("lm_head.weight", [0, config.vocab_size], [q41])
     for pname, p in model.named_parameters():
         state.setdefault(pname, p.detach().clone())
-    state["embed_tokens.weight"] = state["embed_tokens.weight"][0]  # type: ignore[index]
     run_twins(model, CpuDecoder(config, state), token_batches(config.vocab_size, seed=4))
 
 
@@ -202,7 +202,7 @@ def test_real_model_greedy_matches_python_path(our_model: LlamaForCausalLM, gguf
     prompts, batched and prefilled in chunks, exactly as the dense fp32 Python path does."""
     from backfill.model.cpu_decoder import load_cpu_decoder
 
-    decoder = load_cpu_decoder(gguf_path)  # packed_gguf.read_gguf_packed: the file's own blocks
+    decoder = load_cpu_decoder(gguf_path)  # loader.load_stored_weights: the file's own blocks
     assert decoder.config == our_model.config
     prompts = prompt_ids[:2]  # the chat prompt (two chunks) and a plain one
     expected = PagedDriver(our_model).greedy(prompts, max_new_tokens=16, chunk=24)

@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from backfill import kernels
+from backfill.model.cpu_decoder import CpuDecoder, load_cpu_decoder
 from backfill.model.llama import LlamaForCausalLM
 from backfill.model.loader import default_model_path, load_model
 from backfill.model.tokenizer import Tokenizer, load_tokenizer
@@ -23,12 +25,17 @@ def our_model(gguf_path: str) -> LlamaForCausalLM:
     return load_model(gguf_path, torch.float32, torch.device("cpu"))
 
 
-@pytest.fixture(scope="session", params=["dense", "prepacked"])
-def engine_model(request: pytest.FixtureRequest, gguf_path: str) -> LlamaForCausalLM:
-    """The model as the engine runs it, both ways: dense `nn.Linear` weights, and on CPU the
-    oneDNN-prepacked weights the ModelRunner switches to by default (model/prepack.py)."""
+@pytest.fixture(scope="session", params=["dense", "prepacked", "kernels"])
+def engine_model(request: pytest.FixtureRequest, gguf_path: str) -> LlamaForCausalLM | CpuDecoder:
+    """The model as the engine runs it, every way: dense `nn.Linear` weights; the
+    oneDNN-prepacked weights (model/prepack.py); and the default CPU path, the CPU kernels'
+    fused step over the GGUF's matrices as stored (model/cpu_decoder.py)."""
     if request.param == "dense":
         return request.getfixturevalue("our_model")
+    if request.param == "kernels":
+        if not kernels.available():
+            pytest.skip("the CPU kernels extension is not available")
+        return load_cpu_decoder(gguf_path)
     model = load_model(gguf_path, torch.float32, torch.device("cpu"))
     assert model.prepack_weights() == 4 * model.config.num_layers + 1
     return model

@@ -8,9 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from backfill import kernels
 from backfill.model.config import ModelConfig
+from backfill.model.cpu_decoder import CpuDecoder, load_cpu_decoder
 from backfill.model.layers import compute_inv_freq, rope_attention_factor
-from backfill.model.loader import load_model
+from backfill.model.llama import LlamaForCausalLM
+from backfill.model.loader import load_model, load_stored_weights
+from backfill.model.quant import F16, Q8_0, QuantWeight
 from tests.model.paged_driver import PagedDriver
 
 LLAMA3_ROPE = {
@@ -50,14 +54,20 @@ def save_tiny(kind: str, folder: Path) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("prepacked", [False, True], ids=["dense", "prepacked"])
+@pytest.mark.parametrize("path", ["dense", "prepacked", "kernels"])
 @pytest.mark.parametrize("kind", sorted(VARIANTS))
 @torch.inference_mode()
-def test_tiny_folder_logits_match_transformers(kind: str, prepacked: bool, tmp_path: Path) -> None:
+def test_tiny_folder_logits_match_transformers(kind: str, path: str, tmp_path: Path) -> None:
     ref_model = save_tiny(kind, tmp_path)
-    ours = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
-    if prepacked:  # what the ModelRunner runs on CPU in fp32 (q/k/v biases and untied heads too)
-        ours.prepack_weights()
+    ours: LlamaForCausalLM | CpuDecoder
+    if path == "kernels":  # the default CPU path: the fused step, the folder's weights as F32 blocks
+        if not kernels.available():
+            pytest.skip("the CPU kernels extension is not available")
+        ours = load_cpu_decoder(str(tmp_path))
+    else:
+        ours = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+        if path == "prepacked":  # oneDNN-packed weights (q/k/v biases and untied heads too)
+            ours.prepack_weights()
     assert ours.config.tie_word_embeddings == (kind == "llama_tied")
     assert ours.config.attention_bias == kind.startswith("qwen2")
     gen = torch.Generator().manual_seed(1)
@@ -80,6 +90,38 @@ def test_tiny_folder_logits_match_transformers(kind: str, prepacked: bool, tmp_p
         expected = ref[rows]  # [n, vocab]
         err = (torch.stack(got[i]) - expected).abs().max().item()
         assert err < LOGITS_ATOL, f"{kind} seq {i}: max |ours - transformers| = {err}"
+
+
+@pytest.mark.parametrize(("quantization", "qtype"), [("int8", Q8_0), ("fp16", F16)])
+@torch.inference_mode()
+def test_weight_only_quantization_of_a_folder(quantization: str, qtype: int, tmp_path: Path) -> None:
+    """`quantization="int8"|"fp16"`: every matrix of a Hugging Face folder stored as Q8_0 blocks /
+    fp16, read as stored by the fused step, which then computes what the reference model
+    computes over the same (dequantized) weights; and stays close to the fp32 original."""
+    if not kernels.available():
+        pytest.skip("the CPU kernels extension is not available")
+    save_tiny("qwen2", tmp_path)  # q/k/v bias and an untied head: every kind of matrix
+    config, state = load_stored_weights(str(tmp_path), quantization)
+    matrices = {name: w for name, w in state.items() if isinstance(w, QuantWeight)}
+    assert len(matrices) == 4 * config.num_layers + 2  # + embedding and untied LM head
+    assert all(seg.qtype == qtype for w in matrices.values() for seg in w.segments)
+    fp32 = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+    reference = load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+    params = dict(reference.named_parameters())
+    for name, w in matrices.items():
+        params[name].copy_(w.dequantize())
+    stored_bytes = sum(w.nbytes for w in matrices.values())
+    fp32_bytes = sum(params[name].numel() * 4 for name in matrices)
+    assert stored_bytes < fp32_bytes * (0.3 if qtype == Q8_0 else 0.51)  # 8.5 / 16 bits a weight
+    seqs = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (21, 7)]
+    logits = {}
+    for label, model in (("stored", CpuDecoder(config, state)), ("reference", reference), ("fp32", fp32)):
+        driver = PagedDriver(model, num_blocks=16, block_size=8, seed=1)
+        logits[label] = torch.cat([driver.step([("a", seqs[0]), ("b", seqs[1])]),
+                                   driver.step([("a", [5]), ("b", [6])])])  # [4, vocab]
+    assert (logits["stored"] - logits["reference"]).abs().max().item() < LOGITS_ATOL
+    scale = logits["fp32"].abs().max().item()
+    assert (logits["stored"] - logits["fp32"]).abs().max().item() < 0.05 * scale  # weight-only rounding
 
 
 @pytest.mark.parametrize("extra", [
