@@ -41,6 +41,10 @@ class FakeEngine:
         assert len(self.thread_ids) == 1, "engine called from two threads"
 
     @property
+    def max_num_seqs(self) -> int:
+        return self.max_running
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 
@@ -53,7 +57,7 @@ class FakeEngine:
         return len(self.running)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0, group_id: str | None = None) -> None:
         self._touch()
         if not prompt:
             raise ValueError("prompt: must not be empty")
@@ -214,6 +218,29 @@ def test_queue_limit_counts_waiting_and_not_yet_picked_up() -> None:
         third = await engine.add_request("r3", [1], params(10_000))
         for stream in (first, waiting[1], third):
             stream.close()
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_queue_counts_only_what_finds_no_free_slot() -> None:
+    # An idle engine with 4 slots and --max-queue 4 takes a burst of 8 (4 run, 4 wait) and
+    # refuses what comes beyond, however the engine thread interleaves with the submissions:
+    # sequences in the inbox, in transit and in the engine all count, and so do free slots.
+    async def main() -> None:
+        fake = FakeEngine(max_running=4, step_time=0.01)
+        engine = AsyncEngine(fake, max_queue=4)
+        engine.start()
+        results = await asyncio.gather(*(engine.add_request(f"r{i}", [1], params(10_000)) for i in range(12)),
+                                       return_exceptions=True)
+        accepted = [r for r in results if not isinstance(r, BaseException)]
+        refused = [r for r in results if isinstance(r, BaseException)]
+        assert len(accepted) == 8 and len(refused) == 4 and all(isinstance(r, QueueFullError) for r in refused)
+        assert engine.num_queued_seqs() == 4 and engine.num_pending_seqs() in (4, 8)
+        with pytest.raises(QueueFullError):  # n=2: both would queue
+            engine.check_admission(2)
+        for stream in accepted:
+            stream.close()  # type: ignore[union-attr]
         await engine.shutdown()
 
     run(main())

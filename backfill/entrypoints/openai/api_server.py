@@ -245,7 +245,7 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        body = metrics.render(async_engine.stats, async_engine.num_queued_seqs())
+        body = metrics.render(async_engine.stats, async_engine.num_pending_seqs())
         return Response(body, media_type=CONTENT_TYPE)
 
     def card() -> ModelCard:
