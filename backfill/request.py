@@ -102,7 +102,7 @@ class Request:
             if not self.params.ignore_eos and last in self.eos_token_ids:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, None
                 return True
-            if self.params.stop_token_ids and last in self.params.stop_token_ids:
+            if last in self.params.stop_token_id_set:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, last
                 return True
         if self.num_output_tokens >= self.max_output_tokens:
