@@ -148,7 +148,7 @@ def test_server_healthy_and_blocks_free_after_bad_requests(server: ServerProcess
         content = body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
         httpx.request(method, server.base_url + path, content=content, headers=headers, timeout=60)
     assert httpx.get(server.base_url + "/health").status_code == 200
-    assert wait_until(lambda: engine_idle(server), timeout=5)
+    assert wait_until(lambda: engine_idle(server), timeout=60)
     response = httpx.post(server.v1 + "/completions", json=completion(max_tokens=3), headers=AUTH, timeout=60)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
 

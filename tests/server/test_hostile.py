@@ -1,7 +1,7 @@
 """Issue 8: a hostile but realistic client against one server. Each probe is refused or
 contained, and the server stays healthy and serves others.
 
-The server: 4 slots, at most 64 sequences per request, a 2 s read timeout, an access log.
+The server: 4 slots, at most 64 sequences per request, a 3 s read timeout, an access log.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tests.server.harness import MODEL, ServerProcess, engine_idle, start_server
 
 MAX_NUM_SEQS = 4
 MAX_SEQS_PER_REQUEST = 64
-READ_TIMEOUT_S = 2
+READ_TIMEOUT_S = 3
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +200,7 @@ def test_api_keys_in_the_query_string_stay_out_of_the_access_log(hostile_server:
     secrets = ["sk-query-secret-1", "sk-query-secret-2"]
     httpx.get(hostile_server.base_url + f"/health?api_key={secrets[0]}&verbose=1", timeout=30)
     httpx.get(hostile_server.v1 + f"/models?Api%5FKey={secrets[1]}", timeout=30)
-    assert wait_until(lambda: "/v1/models?" in hostile_server.log(), timeout=10)
+    assert wait_until(lambda: "/v1/models?" in hostile_server.log(), timeout=60)
     log = hostile_server.log()
     assert not any(secret in log for secret in secrets)
     assert "/health?api_key=***&verbose=1" in log and "/v1/models?Api%5FKey=***" in log

@@ -58,7 +58,9 @@ def test_sigterm_drains_in_flight_streams() -> None:
         assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
         assert refused.json()["error"]["code"] == "shutting_down"
         assert httpx.get(server.base_url + "/health", timeout=30).status_code == 503
-        assert any(e[-1] != "[DONE]" for e in events[:NUM_STREAMS]), "streams ended before the 503 check"
+        # Refused while a request is still in flight: the ninth lasts the whole grace period (the
+        # eight short ones may all be done by now on a fast machine).
+        assert events[-1][-1] != "[DONE]", "the long stream ended before the 503 check"
 
         for thread in threads:
             thread.join(120)
