@@ -30,15 +30,11 @@ class Scheduler:
     batch has finished, and only then is the next batch admitted. With `static_padding` (the
     default) a held slot is also computed, as a padding row: a fixed-shape batch's cost.
 
-    Fair share (continuous policy): the sequences of one client request (`Request.group_id`:
-    its n samples and its batch of prompts) form a group, and groups share the slots max-min
-    fairly. A waiting request of the group running the fewest sequences is admitted first;
-    when every slot is taken, a group running at least two sequences fewer than the largest
-    one takes a slot from it, one per step, by preempting the largest group's most recently
-    arrived sequence. So a request of a client with nothing running is admitted in the first
-    step with token budget to spare (while fewer than `max_num_seqs` groups run), and one
-    client's 256 sequences cannot hold every slot while another client waits.
-    See `first_token_bound()` for the number of steps.
+    Fair share (continuous): the sequences of one client request (`Request.group_id`) form a
+    group; a waiting request of the group running the fewest goes first, and with every slot
+    taken a group running two fewer than the largest takes one slot a step from it (see
+    `_rebalance`). A newcomer's first token then comes within ceil((R + P) / (B - S + 1)) steps
+    (README, "Fairness"; tests/core/test_scheduler_fair_share.py).
 
     A step is `schedule()`, the model run, then `update_from_output()`; `finish_requests()`
     (abort, stop string) may come between steps.
