@@ -37,6 +37,9 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 2**31
     priority: int = 0  # lower runs first; ties by arrival
+    # The client request this sequence belongs to (its n samples, its batch of prompts): the
+    # scheduler shares batch slots fairly between groups. Empty: a group of its own.
+    group_id: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -52,6 +55,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
+        if not self.group_id:
+            self.group_id = self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,7 +102,7 @@ class Request:
             if not self.params.ignore_eos and last in self.eos_token_ids:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, None
                 return True
-            if self.params.stop_token_ids and last in self.params.stop_token_ids:
+            if last in self.params.stop_token_id_set:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, last
                 return True
         if self.num_output_tokens >= self.max_output_tokens:

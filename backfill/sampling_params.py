@@ -39,6 +39,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stop_list: list[str] = field(init=False, repr=False)
+    # NOTE: checked after every token of every sequence: a set keeps a long list cheap.
+    stop_token_id_set: frozenset[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._check_int("n", self.n, minimum=1, maximum=128)
@@ -96,6 +98,7 @@ class SamplingParams:
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
             ):
                 _fail("stop_token_ids", "must be a list of non-negative token ids")
+        self.stop_token_id_set = frozenset(self.stop_token_ids or ())
         if not isinstance(self.ignore_eos, bool):
             _fail("ignore_eos", "must be a boolean")
         if self.logprobs is not None:

@@ -46,6 +46,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted_request_ids: list[str] = field(default_factory=list)
+    # The part of preempted_request_ids that gave a slot to a group with fewer (fair share),
+    # rather than KV blocks to a running request; admissions may follow in the same step.
+    fair_share_preempted_ids: list[str] = field(default_factory=list)
     # Requests that left the engine since the last step: the runner drops their cached state.
     finished_request_ids: list[str] = field(default_factory=list)
     num_batched_tokens: int = 0

@@ -30,6 +30,12 @@ class Scheduler:
     batch has finished, and only then is the next batch admitted. With `static_padding` (the
     default) a held slot is also computed, as a padding row: a fixed-shape batch's cost.
 
+    Fair share (continuous): the sequences of one client request (`Request.group_id`) form a
+    group; a waiting request of the group running the fewest goes first, and with every slot
+    taken a group running two fewer than the largest takes one slot a step from it (see
+    `_rebalance`). A newcomer's first token then comes within ceil((R + P) / (B - S + 1)) steps
+    (README, "Fairness"; tests/core/test_scheduler_fair_share.py).
+
     A step is `schedule()`, the model run, then `update_from_output()`; `finish_requests()`
     (abort, stop string) may come between steps.
     """
@@ -49,6 +55,9 @@ class Scheduler:
         self._finished_request_ids: list[str] = []  # finished or aborted since the last schedule()
         self._slots: list[str | None] = [None] * self.max_num_seqs
         self._slot_by_request_id: dict[str, int] = {}
+        # group_id -> its sequences in `running` / in `waiting` (only groups with some)
+        self._num_running_by_group: dict[str, int] = {}
+        self._num_waiting_by_group: dict[str, int] = {}
         self._batch_request_ids: set[str] = set()  # static: unfinished members of the current batch
         # static with padding: finished members of the current batch -> their padding row's
         # sequence length (it grows by one every step, as the row would in a fixed-shape batch)
@@ -110,6 +119,7 @@ class Scheduler:
         while index > 0 and self._priority_key(self.waiting[index - 1]) > key:
             index -= 1
         self.waiting.insert(index, request)
+        _count(self._num_waiting_by_group, request.group_id, +1)
 
     # ------------------------------------------------------------------ schedule
 
@@ -128,16 +138,21 @@ class Scheduler:
             self._start_batch()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []  # scheduled[i] is running[i] during phase 1
-        preempted: list[Request] = []
+        preempted: list[Request] = []  # for lack of KV blocks
+
+        # 0. Fair share: with every slot taken, a group running two or more sequences fewer
+        #    than the largest group takes one slot from it.
+        rebalanced = self._rebalance()
 
         # 1. Running requests, in admission order. One that cannot get blocks preempts the most
-        #    recently arrived running request (taking back its work if already scheduled).
+        #    recently arrived running request of the largest group (taking back its work if
+        #    already scheduled).
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv_cache_manager.can_allocate(request, num_new_tokens):
-                victim = max(self.running, key=self._priority_key)
+                victim = max(self.running, key=self._victim_key)
                 victim_index = self.running.index(victim)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -153,8 +168,8 @@ class Scheduler:
                 budget -= num_new_tokens
                 index += 1
 
-        # 2. Waiting requests, in priority order, while budget, slots and blocks allow. None in
-        #    a step that had to preempt: the pool is short already.
+        # 2. Waiting requests, in priority order (fair share within it), while budget, slots
+        #    and blocks allow. None in a step that had to preempt for blocks: the pool is short.
         while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._next_waiting()
             if request is None:
@@ -162,7 +177,6 @@ class Scheduler:
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.kv_cache_manager.can_allocate(request, num_new_tokens):
                 break
-            self.waiting.remove(request)
             self._admit(request)
             scheduled.append(self._schedule_request(request, num_new_tokens, now))
             budget -= num_new_tokens
@@ -182,18 +196,53 @@ class Scheduler:
         finished_request_ids, self._finished_request_ids = self._finished_request_ids, []
         return SchedulerOutput(
             scheduled=scheduled,
-            preempted_request_ids=[request.request_id for request in preempted],
+            preempted_request_ids=[request.request_id for request in rebalanced + preempted],
+            fair_share_preempted_ids=[request.request_id for request in rebalanced],
             finished_request_ids=finished_request_ids,
             num_batched_tokens=self.max_num_batched_tokens - budget,
             padding_seq_lens=padding_seq_lens,
         )
 
     def _next_waiting(self) -> Request | None:
-        """The waiting request to admit next: the head, or under the static policy the first
-        member of the current batch (new arrivals wait for the next batch)."""
+        """The waiting request to admit next. Continuous: among those of the head's priority,
+        the first of the group running the fewest sequences (ties: queue order). Static: the
+        first member of the current batch (new arrivals wait for the next batch)."""
         if self.policy == "static":
             return next((r for r in self.waiting if r.request_id in self._batch_request_ids), None)
-        return self.waiting[0] if self.waiting else None
+        if not self.waiting:
+            return None
+        head = self.waiting[0]
+        best = head
+        seen: set[str] = set()
+        # NOTE: only a group's first waiting request can win, so the scan stops once it has
+        # seen every waiting group (one client's thousands of sequences cost one look).
+        for request in self.waiting:
+            if self._num_running(best) == 0 or len(seen) == len(self._num_waiting_by_group):
+                break
+            if request.group_id in seen or request.priority != head.priority:
+                continue
+            seen.add(request.group_id)
+            if self._num_running(request) < self._num_running(best):
+                best = request
+        return best
+
+    def _rebalance(self) -> list[Request]:
+        """Fair share, continuous policy: when every slot is taken, the request `_next_waiting`
+        would admit takes a slot from the largest running group if that group runs at least two
+        sequences more than the request's own (so the move never just swaps the two). Only
+        within one priority: the victim goes to the queue's head, and a victim of another
+        priority would make its own priority the one admitted next. Preempts at most one
+        sequence per step; returns it (or nothing)."""
+        if self.policy != "continuous" or len(self.running) < self.max_num_seqs:
+            return []
+        request = self._next_waiting()
+        if request is None:
+            return []
+        victim = max(self.running, key=self._victim_key)
+        if victim.priority != request.priority or self._num_running(victim) < self._num_running(request) + 2:
+            return []
+        self._preempt(victim)
+        return [victim]
 
     def _start_batch(self) -> None:
         """Static policy: reserve slots for up to `max_num_seqs` waiting requests, the batch."""
@@ -202,8 +251,11 @@ class Scheduler:
             self._assign_slot(request.request_id)
 
     def _admit(self, request: Request) -> None:
+        self.waiting.remove(request)
+        _count(self._num_waiting_by_group, request.group_id, -1)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        _count(self._num_running_by_group, request.group_id, +1)
         if self.policy == "continuous":
             self._assign_slot(request.request_id)
         assert request.request_id in self._slot_by_request_id, f"{request.request_id!r} has no slot"
@@ -233,7 +285,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: drop the request's K/V and send it to the head of the queue."""
-        self.running.remove(request)
+        self._leave_running(request)
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -242,6 +294,7 @@ class Scheduler:
         if self.policy == "continuous":
             self._release_slot(request.request_id)
         self.waiting.appendleft(request)
+        _count(self._num_waiting_by_group, request.group_id, +1)
         logger.debug("preempted %s (%d tokens to recompute)", request.request_id, request.num_tokens)
 
     # -------------------------------------------------------------- results in
@@ -274,7 +327,7 @@ class Scheduler:
             request.append_output_token(sampled_token_ids[scheduled.request_id], now)
             changed.append(request)
             if request.check_stop():
-                self.running.remove(request)
+                self._leave_running(request)
                 self._finish(request, now)
         return changed
 
@@ -295,9 +348,10 @@ class Scheduler:
             if request is None:
                 continue
             if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
+                self._leave_running(request)
             else:
                 self.waiting.remove(request)
+                _count(self._num_waiting_by_group, request.group_id, -1)
             request.finish_reason = reason
             self._finish(request, now)
             finished.append(request)
@@ -327,8 +381,22 @@ class Scheduler:
     # --------------------------------------------------------------- helpers
 
     def _priority_key(self, request: Request) -> tuple[int, float, int]:
-        """Sort key: lower runs first; the maximum is the first to be preempted."""
+        """Sort key of the waiting queue: lower runs first."""
         return (request.priority, request.arrival_time, self._arrival_index[request.request_id])
+
+    def _victim_key(self, request: Request) -> tuple[int, int, float, int]:
+        """The running request with the maximum is preempted first: the worst priority, then
+        the group running the most sequences, then the most recent arrival."""
+        return (request.priority, self._num_running(request), request.arrival_time,
+                self._arrival_index[request.request_id])
+
+    def _num_running(self, request: Request) -> int:
+        """How many sequences of the request's group are running."""
+        return self._num_running_by_group.get(request.group_id, 0)
+
+    def _leave_running(self, request: Request) -> None:
+        self.running.remove(request)
+        _count(self._num_running_by_group, request.group_id, -1)
 
     def _assign_slot(self, request_id: str) -> None:
         slot = self._slots.index(None)  # ValueError here means more requests than slots: a bug
@@ -339,3 +407,13 @@ class Scheduler:
         slot = self._slot_by_request_id.pop(request_id, None)
         if slot is not None:
             self._slots[slot] = None
+
+
+def _count(counts: dict[str, int], key: str, delta: int) -> None:
+    """Add `delta` to `counts[key]`, dropping the key at zero (so `len(counts)` counts keys in use)."""
+    value = counts.get(key, 0) + delta
+    assert value >= 0, (key, value)
+    if value:
+        counts[key] = value
+    else:
+        counts.pop(key, None)

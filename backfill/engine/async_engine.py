@@ -49,6 +49,8 @@ class SyncEngine(Protocol):
     last_step_stats: StepStats | None
 
     @property
+    def max_num_seqs(self) -> int: ...
+    @property
     def num_running(self) -> int: ...
     @property
     def num_waiting(self) -> int: ...
@@ -60,7 +62,8 @@ class SyncEngine(Protocol):
     def num_preemptions_total(self) -> int: ...
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None: ...
+                    arrival_time: float | None = None, priority: int = 0,
+                    group_id: str | None = None) -> None: ...
     def abort_request(self, request_ids: Iterable[str]) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -95,6 +98,7 @@ class _Submission:
     prompt: str | list[int]
     params: SamplingParams
     arrival_time: float
+    group_id: str | None
     accepted: asyncio.Future[None]
 
 
@@ -151,9 +155,10 @@ class RequestStream:
 class AsyncEngine:
     """Asynchronous front of an `LLMEngine`; every public method runs on the event loop thread.
 
-    `max_queue` bounds the sequences that are not running yet: those waiting in the engine plus
-    those submitted but not yet picked up by the engine thread. At the bound, `add_request`
-    raises `QueueFullError`.
+    `max_queue` bounds the queue: the sequences that are not running yet (waiting in the engine,
+    or submitted and not yet picked up by the engine thread) beyond the batch slots free to take
+    them. So an idle engine with `max_num_seqs` 4 and `max_queue` 4 accepts a burst of 8 (4 run,
+    4 wait) and refuses the rest. At the bound, `add_request` raises `QueueFullError`.
     """
 
     def __init__(self, engine: SyncEngine, max_queue: int | None = None,
@@ -229,29 +234,42 @@ class AsyncEngine:
     def is_dead(self) -> bool:
         return self._dead is not None
 
-    def num_queued_seqs(self) -> int:
+    def num_pending_seqs(self) -> int:
         """Sequences not running yet: waiting in the engine, or submitted and not picked up."""
         with self._cond:
             return self._num_inbox_seqs + self._num_in_transit_seqs + self._stats.num_waiting
 
+    def num_queued_seqs(self, num_new_seqs: int = 0) -> int:
+        """Pending sequences (plus `num_new_seqs` more) beyond the free batch slots: those that
+        have to wait for a slot."""
+        with self._cond:
+            pending = self._num_inbox_seqs + self._num_in_transit_seqs + self._stats.num_waiting
+            num_free_slots = max(self.engine.max_num_seqs - self._stats.num_running, 0)
+        return max(pending + num_new_seqs - num_free_slots, 0)
+
     def check_admission(self, num_seqs: int = 1) -> None:
         """Raise the error `add_request` would raise right now for lack of room or life.
 
-        A request of `num_seqs` sequences needs that much room in the queue (capped at the
-        queue's size, so that an `n` larger than `max_queue` is still served when it is empty).
+        A request of `num_seqs` sequences needs room in the queue for those that find no free
+        slot (capped at the queue's size, so that an `n` larger than `max_queue` is still served
+        when nothing queues).
         """
         if self._dead is not None:
             raise EngineDeadError(f"the engine failed: {self._dead!r}")
         if not self._admitting or self._loop is None:
             raise EngineStoppedError("the server is not accepting requests")
         if self.max_queue is not None:
-            needed = min(num_seqs, self.max_queue)
-            if self.num_queued_seqs() + needed > self.max_queue:
-                raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests)")
+            queued = self.num_queued_seqs()
+            needed = min(self.num_queued_seqs(num_seqs) - queued, self.max_queue)
+            if queued + needed > self.max_queue:
+                raise QueueFullError(f"the waiting queue is full ({self.max_queue} sequences wait for a slot)")
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None, group_id: str | None = None) -> RequestStream:
         """Submit a request and wait until the engine thread accepted it (at most one step).
+
+        Requests sharing a `group_id` (the prompts of one HTTP request) share batch slots with
+        other groups fairly as one client (see `Scheduler`).
 
         Raises `ValueError("<field>: ...")` when the engine rejects the input, `QueueFullError`,
         `EngineStoppedError` or `EngineDeadError`. Cancelling the caller aborts the request.
@@ -262,7 +280,7 @@ class AsyncEngine:
         assert self._loop is not None
         accepted: asyncio.Future[None] = self._loop.create_future()
         stream = RequestStream(request_id, self, accepted)
-        submission = _Submission(request_id, prompt, params, arrival_time or time.monotonic(), accepted)
+        submission = _Submission(request_id, prompt, params, arrival_time or time.monotonic(), group_id, accepted)
         with self._cond:
             if self._dead is not None:  # checked under the lock: a dead thread never wakes up
                 raise EngineDeadError(f"the engine failed: {self._dead!r}")
@@ -365,7 +383,8 @@ class AsyncEngine:
                 results: list[tuple[asyncio.Future[None], BaseException | None]] = []
                 for sub in submissions:
                     try:
-                        engine.add_request(sub.request_id, sub.prompt, sub.params, arrival_time=sub.arrival_time)
+                        engine.add_request(sub.request_id, sub.prompt, sub.params, arrival_time=sub.arrival_time,
+                                           group_id=sub.group_id)
                         results.append((sub.accepted, None))
                     except ValueError as error:
                         results.append((sub.accepted, error))

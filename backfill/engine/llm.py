@@ -94,13 +94,13 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate. Special-token
+        text inside messages is encoded as text (`Tokenizer.encode_chat`)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         prompts: list[Prompt] = []
         for messages in conversations:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)  # type: ignore[arg-type]
-            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+            prompts.append(self.tokenizer.encode_chat(messages, add_generation_prompt=True)[1])  # type: ignore[arg-type]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -101,8 +101,14 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        group_id: str | None = None,
     ) -> None:
-        """Queue a request. Raises `ValueError("<field>: ...")` for input the engine can't serve."""
+        """Queue a request. Raises `ValueError("<field>: ...")` for input the engine can't serve.
+
+        `group_id` names the client request it belongs to (the server gives every prompt of one
+        HTTP request the same): the scheduler shares slots fairly between groups. Default: the
+        request is a group of its own, its n sequences included.
+        """
         if request_id in self._groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         prompt_text, prompt_token_ids = self._encode_prompt(prompt)
@@ -124,6 +130,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 priority=priority,
                 arrival_time=group.arrival_time,
+                group_id=group_id or request_id,
             )
             detokenizer = IncrementalDetokenizer(self.tokenizer.hf, prompt_token_ids, seq_params)
             logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
@@ -164,6 +171,14 @@ class LLMEngine:
                 f"max_tokens: this model's maximum context length is {self.max_model_len} tokens. "
                 f"However, you requested {num_prompt + params.max_tokens} tokens "
                 f"({num_prompt} in the prompt, {params.max_tokens} for the completion)"
+            )
+        # NOTE: min_tokens holds off EOS; past the room left it would run to the full context.
+        room = self.max_model_len - num_prompt
+        if params.min_tokens > room:
+            raise ValueError(
+                f"min_tokens: this model's maximum context length is {self.max_model_len} tokens; "
+                f"the {num_prompt}-token prompt leaves room for {room}, fewer than min_tokens "
+                f"({params.min_tokens})"
             )
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
@@ -296,6 +311,10 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
 
     @property
     def num_running(self) -> int:

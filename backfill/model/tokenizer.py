@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import secrets
 import time
 from typing import Any
 
@@ -32,6 +34,7 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
         self.bos_token_id: int | None = None if hf.bos_token_id is None else int(hf.bos_token_id)
         self.chat_template: str | None = getattr(hf, "chat_template", None)
+        self._chat_encoder: _ChatEncoder | None = None  # built on first use (copies the backend)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
@@ -63,9 +66,116 @@ class Tokenizer:
             raise ValueError(f"messages: the chat template returned {type(text).__name__}, not text")
         return text
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """The chat as prompt text and token ids, where only the template's own markers are
+        special tokens: a message's text is encoded as the plain characters it is made of.
+
+        So content such as "hi<|im_end|><|im_start|>system ..." cannot close its turn and forge
+        another (chat-template injection), for any role and any special token. The ids equal
+        `encode(apply_chat_template(messages), add_special_tokens=False)` whenever no message
+        contains special-token text. Raises ValueError("messages: ...") as `apply_chat_template`.
+        """
+        if self._chat_encoder is None:
+            self._chat_encoder = _ChatEncoder(self.hf)
+        return self._chat_encoder.encode(self, messages, add_generation_prompt)
+
     @property
     def all_special_ids(self) -> list[int]:
         return list(self.hf.all_special_ids)
+
+
+class _ChatEncoder:
+    """How `Tokenizer.encode_chat` keeps special tokens out of message text.
+
+    1. Every special-token string in the messages is swapped for a placeholder that contains
+       a random nonce (nobody can write it in advance), so every special-token string left in
+       the rendered template is the template's own.
+    2. The rendered text is split at those markers, as the tokenizer itself splits text at
+       special tokens (honouring their lstrip/rstrip), and each marker becomes its id.
+    3. The text between markers gets its placeholders swapped back and is encoded with
+       special-token matching off (a copy of the backend with `encode_special_tokens`).
+    Assumes, as every chat template does, that the template writes markers whole, never a
+    piece of one next to the content.
+    """
+
+    def __init__(self, hf: Any) -> None:
+        import tokenizers
+
+        specials = {str(token): int(token_id) for token_id, token in hf.added_tokens_decoder.items()
+                    if token.special and str(token)}
+        self.special_ids = specials
+        self.specials = sorted(specials, key=len, reverse=True)  # longest first, as HF matches
+        self.special_pattern = re.compile("|".join(map(re.escape, self.specials))) if specials else None
+        flags = {str(t): t for t in hf.added_tokens_decoder.values()}
+        self.marker_pattern = re.compile("|".join(
+            (r"\s*" if flags[t].lstrip else "") + re.escape(t) + (r"\s*" if flags[t].rstrip else "")
+            for t in self.specials)) if specials else None
+        config = json.loads(hf.backend_tokenizer.to_str())
+        self.text_backend = tokenizers.Tokenizer.from_str(json.dumps(config))
+        self.text_backend.encode_special_tokens = True
+        # NOTE: a Metaspace pre-tokenizer with prepend_scheme "first" adds its "▁" only to text
+        # at offset 0 of the whole input; encoded apart, later pieces need a copy that never does.
+        self.later_backend = self.text_backend
+        if _set_prepend_scheme(config.get("pre_tokenizer"), "first", "never"):
+            self.later_backend = tokenizers.Tokenizer.from_str(json.dumps(config))
+            self.later_backend.encode_special_tokens = True
+        for backend in (self.text_backend, self.later_backend):
+            backend.no_truncation()
+            backend.no_padding()
+
+    def encode(self, tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
+        if self.special_pattern is None or self.marker_pattern is None:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt)
+            return text, tokenizer.encode(text, add_special_tokens=False)
+        nonce = secrets.token_hex(8)
+        index = {token: i for i, token in enumerate(self.specials)}
+        placeholder = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+
+        def hide(value: Any) -> Any:
+            if isinstance(value, str):
+                return self.special_pattern.sub(lambda m: f"\ue000{nonce}:{index[m.group()]}\ue001", value)  # type: ignore[union-attr]
+            if isinstance(value, list):
+                return [hide(item) for item in value]
+            if isinstance(value, dict):
+                return {key: hide(item) for key, item in value.items()}
+            return value
+
+        def reveal(text: str) -> str:
+            return placeholder.sub(lambda m: self.specials[int(m.group(1))], text)
+
+        rendered = tokenizer.apply_chat_template(hide(messages), add_generation_prompt)
+        pieces: list[str] = []  # text, marker, text, marker, ..., text
+        start = 0
+        for match in self.marker_pattern.finditer(rendered):
+            pieces += [rendered[start:match.start()], match.group()]
+            start = match.end()
+        pieces.append(rendered[start:])
+        texts = [reveal(piece) for piece in pieces[0::2]]
+        ids: list[int] = []
+        later = self.later_backend.encode_batch(texts[1:], add_special_tokens=False) if len(texts) > 1 else []
+        for i, text in enumerate(texts):
+            if i:
+                marker = pieces[2 * i - 1]
+                ids.append(self.special_ids.get(marker, self.special_ids.get(marker.strip(), -1)))
+            if text:
+                encoding = later[i - 1] if i else self.text_backend.encode(text, add_special_tokens=False)
+                ids += encoding.ids
+        assert -1 not in ids, "a marker matched no special token"
+        return reveal(rendered), ids
+
+
+def _set_prepend_scheme(pre_tokenizer: Any, old: str, new: str) -> bool:
+    """Change every Metaspace pre-tokenizer's prepend_scheme `old` to `new` (in place, nested
+    Sequences included); whether any was changed."""
+    if not isinstance(pre_tokenizer, dict):
+        return False
+    changed = False
+    if pre_tokenizer.get("type") == "Metaspace" and pre_tokenizer.get("prepend_scheme") == old:
+        pre_tokenizer["prepend_scheme"] = new
+        changed = True
+    for child in pre_tokenizer.get("pretokenizers") or []:
+        changed = _set_prepend_scheme(child, old, new) or changed
+    return changed
 
 
 def _check_messages(messages: Any) -> None:

@@ -31,7 +31,10 @@ def test_all_at_once_counts_tokens_and_matches_server_counter() -> None:
     assert result["num_output_len_mismatch"] == 0
     assert result["output_lens"] == [r.max_tokens for r in requests]  # in workload order
     assert result["model_id"] == "fake-model"
-    assert result["max_concurrent_requests"] == 12 and state.max_in_flight == 12
+    # All twelve are sent before any can end (the client starts each one's clock before its
+    # first await). How many the server sees at once is the OS scheduler's business: a loaded
+    # machine may finish one before it accepts the last (11 of 12 failed `make test` once).
+    assert result["max_concurrent_requests"] == 12 and 1 <= state.max_in_flight <= 12
     # every measured payload streams, asks for usage and ignores EOS
     measured = state.payloads[1:]
     assert all(p["stream"] and p["ignore_eos"] and p["stream_options"]["include_usage"] for p in measured)
@@ -39,7 +42,10 @@ def test_all_at_once_counts_tokens_and_matches_server_counter() -> None:
     # token events: one TTFT plus (n - 1) ITLs per request; latencies are positive and ordered
     assert [len(i) + 1 for i in result["itls"]] == [r.max_tokens for r in requests]
     assert 0 < result["median_ttft_ms"] <= result["median_e2el_ms"]
-    assert result["mean_tpot_ms"] >= 1.0  # the fake server sleeps 2 ms a token
+    # The fake server sleeps 2 ms before each token, so no request can end sooner than that
+    # (how the gaps between tokens look depends on when the client gets to read them).
+    for e2el, request in zip(result["e2els"], requests):
+        assert e2el >= 0.99 * request.max_tokens * state.token_delay_s
     assert result["total_input_tokens"] > 0  # from usage.prompt_tokens
 
 
@@ -52,7 +58,8 @@ def test_request_rate_spreads_arrivals_and_fallback_counts_chunks() -> None:
     assert result["request_rate"] == 40.0
     assert result["total_output_tokens"] == 24  # counted chunks, no usage sent
     assert result["total_input_tokens"] == 32  # len(prompt_token_ids)
-    assert result["duration"] > 0.05  # 8 arrivals at 40/s: ~0.175 s on average
+    # The client sleeps until each seeded arrival: the run lasts at least until the last one.
+    assert result["duration"] >= max(result["start_times"]) > 0.05
     assert state.payloads[0]["prompt"] == [1, 2, 3, 4]
 
 

@@ -44,10 +44,11 @@ def make_request(
     priority: int = 0,
     eos: bool = False,
     first_token: int = 1,
+    group_id: str = "",
     **params: Any,
 ) -> Request:
     """A request whose prompt is `prompt_len` distinct non-EOS tokens. With `eos=False` it
-    ignores EOS, so it generates exactly `max_tokens` tokens."""
+    ignores EOS, so it generates exactly `max_tokens` tokens. `group_id` "": a group of its own."""
     prompt = [first_token + (i % (VOCAB_SIZE - 1)) for i in range(prompt_len)]
     return Request(
         request_id=request_id,
@@ -56,6 +57,7 @@ def make_request(
         eos_token_ids=(EOS_TOKEN_ID,),
         priority=priority,
         arrival_time=arrival_time,
+        group_id=group_id,
     )
 
 
@@ -145,8 +147,11 @@ def check_step(scheduler: Scheduler, output: SchedulerOutput, decoding_before: l
         request = scheduler.get_request(request_id)
         assert request is not None and request.status == RequestStatus.PREEMPTED
         assert request in scheduler.waiting and not scheduler.kv_cache_manager.get_block_ids(request_id)
-    if output.preempted_request_ids:  # no admissions in a step that preempted
-        assert all(s.new_request is None for s in scheduled)
+    # Fair share hands over at most one slot a step, and only when every slot was taken.
+    assert set(output.fair_share_preempted_ids) <= set(output.preempted_request_ids)
+    assert len(output.fair_share_preempted_ids) <= (config.policy == "continuous")
+    if set(output.preempted_request_ids) - set(output.fair_share_preempted_ids):
+        assert all(s.new_request is None for s in scheduled)  # no admissions when short of blocks
     # Chunked prefill never starves a decode (given a budget of at least one token per slot).
     if config.max_num_batched_tokens >= config.max_num_seqs:
         for request in decoding_before:

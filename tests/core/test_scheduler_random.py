@@ -8,6 +8,7 @@ keeps the per-step invariants of `check_step` plus the policy's admission rule.
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -31,16 +32,20 @@ def random_workload(rng: random.Random, policy: str) -> tuple[Scheduler, list[tu
     arrival_step = 0
     for i in range(rng.randint(1, 24)):
         arrival_step += rng.choice([0, 0, 1, 3])
-        request = make_request(
-            f"r{i}",
-            prompt_len=rng.randint(1, 30),
-            max_tokens=rng.randint(1, 20),
-            arrival_time=float(arrival_step) + i * 1e-3,
-            priority=rng.choice([0, 0, 0, 1, -1]),
-            eos=rng.random() < 0.5,
-            first_token=rng.randint(1, 900),
-        )
-        requests.append((arrival_step, request))
+        priority = rng.choice([0, 0, 0, 1, -1])
+        # One client request: 1 to 6 sequences (its n samples, its prompts) in one group.
+        for k in range(rng.choice([1, 1, 2, 6])):
+            request = make_request(
+                f"r{i}.{k}",
+                prompt_len=rng.randint(1, 30),
+                max_tokens=rng.randint(1, 20),
+                arrival_time=float(arrival_step) + i * 1e-3,
+                priority=priority,
+                eos=rng.random() < 0.5,
+                first_token=rng.randint(1, 900),
+                group_id=f"g{i}",
+            )
+            requests.append((arrival_step, request))
     max_need = max(-(-(r.num_prompt_tokens + r.max_output_tokens - 1) // block_size) for _, r in requests)
     num_kv_blocks = max_need + rng.randint(0, 2 * max_need)  # often short: preemption happens
     scheduler = make_scheduler(
@@ -61,7 +66,10 @@ def check_admission_rule(scheduler: Scheduler, budget_left: int, preempted: bool
         assert not waiting or any(request_id is not None for request_id, _ in scheduler.slot_states())
         candidates = [r for r in waiting if scheduler.slot_of(r.request_id) is not None]
     else:
-        candidates = waiting[:1]
+        # Fair share: within the head's priority, the group running the fewest goes first.
+        num_running = Counter(r.group_id for r in scheduler.running)
+        same_priority = [r for r in waiting if r.priority == waiting[0].priority]
+        candidates = sorted(same_priority, key=lambda r: num_running[r.group_id])[:1]  # stable
         if candidates and scheduler.num_running == scheduler.config.max_num_seqs:
             return
     if not candidates or preempted or budget_left == 0:
@@ -123,14 +131,19 @@ def test_random_workloads_run_to_completion(policy: str, seed: int) -> None:
 
 
 def test_some_random_workloads_preempt() -> None:
-    """The property test above is only meaningful if its pools are short often enough."""
-    num_preempting = 0
-    for seed in range(20):
-        scheduler, arrivals = random_workload(random.Random(seed), "continuous")
+    """The property test above is only meaningful if its pools are short often enough, and if
+    its clients arrive unevenly enough for fair share to move slots between them."""
+    num_short_of_blocks = num_fair_share = 0
+    for seed in range(40):
+        scheduler, arrivals = random_workload(random.Random(seed * 2), "continuous")
         runner = FakeRunner(scheduler.kv_cache_manager.num_blocks, scheduler.config.block_size)
-        for _, request in arrivals:
-            scheduler.add_request(request)
-        while scheduler.has_unfinished_requests():
-            step(scheduler, runner)
-        num_preempting += scheduler.num_preemptions_total > 0
-    assert num_preempting >= 3
+        num_steps = num_rebalanced = 0
+        while arrivals or scheduler.has_unfinished_requests():
+            while arrivals and arrivals[0][0] <= num_steps:
+                scheduler.add_request(arrivals.pop(0)[1])
+            output, _ = step(scheduler, runner)
+            num_rebalanced += len(output.fair_share_preempted_ids)
+            num_steps += 1
+        num_short_of_blocks += scheduler.num_preemptions_total > num_rebalanced
+        num_fair_share += num_rebalanced > 0
+    assert num_short_of_blocks >= 5 and num_fair_share >= 3

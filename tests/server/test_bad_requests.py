@@ -53,6 +53,15 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str, str | None]] = [
     ("logit-bias-key", "POST", C, completion(logit_bias={"abc": 1}), AUTH, 400, INVALID, "logit_bias"),
     ("logit-bias-token-range", "POST", C, completion(logit_bias={"99999999": 1}), AUTH, 400, INVALID, "logit_bias"),
     ("logit-bias-value", "POST", C, completion(logit_bias={"5": 500}), AUTH, 400, INVALID, "logit_bias"),
+    # Keys that pass str.isdigit() or int() but are not plain ASCII token ids (int() raised: a 500).
+    ("logit-bias-double-minus", "POST", C, completion(logit_bias={"--5": 1}), AUTH, 400, INVALID, "logit_bias"),
+    ("logit-bias-superscript", "POST", C, completion(logit_bias={"²": 1}), AUTH, 400, INVALID, "logit_bias"),
+    ("logit-bias-arabic-digit", "POST", CH, chat(logit_bias={"٣": 1}), AUTH, 400, INVALID, "logit_bias"),
+    ("logit-bias-negative", "POST", C, completion(logit_bias={"-5": 1}), AUTH, 400, INVALID, "logit_bias"),
+    ("logit-bias-padded", "POST", C, completion(logit_bias={" 5": 1}), AUTH, 400, INVALID, "logit_bias"),
+    ("logit-bias-underscore", "POST", C, completion(logit_bias={"1_0": 1}), AUTH, 400, INVALID, "logit_bias"),
+    ("logit-bias-5000-digits", "POST", C, completion(logit_bias={"9" * 5000: 1}), AUTH, 400, INVALID, "logit_bias"),
+    ("logit-bias-nan", "POST", C, b'{"prompt": "Hello", "max_tokens": 2, "logit_bias": {"5": NaN}}', AUTH, 400, INVALID, "logit_bias"),
     ("seed-wrong-type", "POST", C, completion(seed="x"), AUTH, 400, INVALID, "seed"),
     ("user-wrong-type", "POST", C, completion(user=5), AUTH, 400, INVALID, "user"),
     ("top-k-range", "POST", C, completion(top_k=-5), AUTH, 400, INVALID, "top_k"),
@@ -60,6 +69,16 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str, str | None]] = [
     ("repetition-penalty-zero", "POST", C, completion(repetition_penalty=0), AUTH, 400, INVALID, "repetition_penalty"),
     ("min-tokens-over-max", "POST", C, completion(min_tokens=10), AUTH, 400, INVALID, "min_tokens"),
     ("stop-token-ids-negative", "POST", C, completion(stop_token_ids=[-1]), AUTH, 400, INVALID, "stop_token_ids"),
+    ("stop-token-ids-out-of-vocab", "POST", C, completion(stop_token_ids=[10**12]), AUTH, 400, INVALID, "stop_token_ids"),
+    # min_tokens holds off EOS: more than the context leaves would run to the full context.
+    ("min-tokens-over-context-chat", "POST", CH, {"model": MODEL, "messages": CHAT, "min_tokens": 10**9}, AUTH, 400, INVALID, "min_tokens"),
+    ("min-tokens-over-context", "POST", C, completion(max_tokens=None, min_tokens=CONTEXT), AUTH, 400, INVALID, "min_tokens"),
+    # Fan-out: prompts x n over --max-seqs-per-request (256), refused before tokenizing.
+    ("fan-out-issue-probe", "POST", C, completion(prompt=[[1]] * 4000, n=128, max_tokens=1), AUTH, 400, INVALID, "prompt"),
+    ("fan-out-prompt-strings", "POST", C, completion(prompt=["Hi"] * 257), AUTH, 400, INVALID, "prompt"),
+    ("fan-out-prompts-times-n", "POST", C, completion(prompt=[[1, 2]] * 3, n=128), AUTH, 400, INVALID, "n"),
+    ("fan-out-strings-times-n", "POST", C, completion(prompt=["Hi", "Ho", "Ha"], n=100), AUTH, 400, INVALID, "n"),
+    ("n-over-128-chat", "POST", CH, chat(n=129), AUTH, 400, INVALID, "n"),
     ("ignore-eos-type", "POST", C, completion(ignore_eos="yes"), AUTH, 400, INVALID, "ignore_eos"),
     ("prompt-over-context", "POST", C, completion(prompt=[1] * (CONTEXT + 10)), AUTH, 400, INVALID, "prompt"),
     ("text-prompt-over-context", "POST", C, completion(prompt="hello " * 12_000), AUTH, 400, INVALID, "prompt"),
@@ -129,7 +148,7 @@ def test_server_healthy_and_blocks_free_after_bad_requests(server: ServerProcess
         content = body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
         httpx.request(method, server.base_url + path, content=content, headers=headers, timeout=60)
     assert httpx.get(server.base_url + "/health").status_code == 200
-    assert wait_until(lambda: engine_idle(server), timeout=5)
+    assert wait_until(lambda: engine_idle(server), timeout=60)
     response = httpx.post(server.v1 + "/completions", json=completion(max_tokens=3), headers=AUTH, timeout=60)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
 
@@ -139,3 +158,14 @@ def test_oversized_body_is_refused_before_parsing(server: ServerProcess) -> None
     response = httpx.post(server.v1 + "/completions", content=body, headers=AUTH, timeout=60)
     assert response.status_code == 413
     assert response.json()["error"]["type"] == INVALID
+
+
+def test_a_body_of_countless_tiny_arrays_is_refused_before_parsing(server: ServerProcess) -> None:
+    # Parsing holds the event loop ~0.6 µs per array: 32 MB of `[1],` would stall everyone ~4 s.
+    body = b'{"model": "' + MODEL.encode() + b'", "prompt": [' + b"[1]," * 100_000 + b"[1]]}"
+    response = httpx.post(server.v1 + "/completions", content=body, headers=AUTH, timeout=60)
+    assert response.status_code == 413 and response.json()["error"]["type"] == INVALID
+    text = "[{" * 40_000  # brackets inside strings are text, not structure
+    response = httpx.post(server.v1 + "/completions", json=completion(prompt=[1, 2], stop=[text[:10]], user=text),
+                          headers=AUTH, timeout=60)
+    assert response.status_code == 200, response.text

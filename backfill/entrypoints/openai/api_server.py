@@ -6,8 +6,11 @@ does on trouble:
 - missing or wrong API key on /v1/*           -> 401 (keys compared in constant time)
 - unknown model or route                      -> 404; waiting queue at --max-queue -> 429
 - draining after SIGTERM                      -> 503 with Retry-After on /v1/* and /health
+- more sequences than --max-seqs-per-request  -> 400 naming `prompt` or `n`, before tokenizing
 A client that disconnects aborts its request: SSE responses when the send fails or the
 disconnect message arrives, non-streaming ones through a watcher task racing the handler.
+A request that does not arrive whole within --read-timeout has its connection closed
+(transport.py), and `?api_key=` style secrets never reach the access log.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import logging
@@ -22,10 +26,11 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -42,12 +47,21 @@ from backfill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from backfill.entrypoints.openai.protocol import (MAX_BODY_BYTES, APIError, ChatCompletionRequest,
                                                   CompletionRequest, ModelCard, ModelList,
                                                   parse_request, validation_error_to_api_error)
-from backfill.entrypoints.openai.serving import RETRY_AFTER_S, OpenAIServing, SSEStream
+from backfill.entrypoints.openai.serving import (DEFAULT_MAX_SEQS_PER_REQUEST, RETRY_AFTER_S, OpenAIServing,
+                                                 SSEStream)
+from backfill.entrypoints.openai.transport import DEFAULT_READ_TIMEOUT_S, ReadTimeoutH11Protocol, RedactSecretsFilter
 
 if TYPE_CHECKING:
     from backfill.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+
+# After the grace period: how long aborted responses get to send their error event, how long
+# uvicorn waits for connections to close, and when the process exits whatever is still going
+# on (a long step, a stuck connection): --shutdown-timeout + EXIT_GRACE_S after the signal.
+ABORT_FLUSH_S = 0.2
+CLOSE_CONNECTIONS_S = 0.3
+EXIT_GRACE_S = 1.0
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -164,17 +178,20 @@ async def run_unless_disconnected(request: Request, work: Awaitable[Any]) -> tup
 
 
 def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_queue: int | None = None, shutdown_timeout: float = 30.0) -> FastAPI:
+              max_queue: int | None = None, shutdown_timeout: float = 30.0,
+              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST) -> FastAPI:
     """The ASGI app over a loaded engine. The engine thread starts and stops with the app.
 
     `app.state.drain()` stops admitting, waits up to `shutdown_timeout` s for in-flight calls,
-    aborts the rest, and returns; the caller then stops the HTTP server.
+    aborts the rest (their responses get ABORT_FLUSH_S to end), and returns; the caller then
+    stops the HTTP server.
     """
     name = served_model_name or engine.model_name
     metrics = ServerMetrics(name, engine.config.max_num_seqs)
     async_engine = AsyncEngine(engine, max_queue=max_queue, observer=metrics)
     vocab_size = engine.vocab_size
-    serving = OpenAIServing(async_engine, engine.tokenizer, name, engine.max_model_len, vocab_size)
+    serving = OpenAIServing(async_engine, engine.tokenizer, name, engine.max_model_len, vocab_size,
+                            max_seqs_per_request)
     state = ServerState()
     created = int(time.time())
 
@@ -200,9 +217,9 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
         if state.num_active:
             logger.warning("grace period over: aborting %d in-flight requests", state.num_active)
             async_engine.abort_all(EngineStoppedError("the server shut down before the request finished"))
-            deadline = time.monotonic() + 2.0
+            deadline = time.monotonic() + ABORT_FLUSH_S
             while state.num_active and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.02)
 
     app.state.drain = drain
 
@@ -245,7 +262,7 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        body = metrics.render(async_engine.stats, async_engine.num_queued_seqs())
+        body = metrics.render(async_engine.stats, async_engine.num_pending_seqs())
         return Response(body, media_type=CONTENT_TYPE)
 
     def card() -> ModelCard:
@@ -299,7 +316,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-queue", type=int, default=None,
-                        help="waiting requests beyond which new ones get 429 (default: no limit)")
+                        help="sequences that find no free batch slot beyond which requests get 429 (default: no limit)")
+    parser.add_argument("--max-seqs-per-request", type=int, default=DEFAULT_MAX_SEQS_PER_REQUEST,
+                        help="most sequences (prompts x n) one request may create; more is a 400")
     parser.add_argument("--dtype", choices=DTYPES, default="auto")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -308,8 +327,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds in-flight requests get to finish after SIGTERM")
+                        help="seconds in-flight requests get to finish after SIGTERM; the process exits by then")
+    parser.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                        help="seconds a client gets to send a whole request (headers and body); then it is disconnected")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def exit_now(status: int) -> NoReturn:
+    """End the process without the interpreter's teardown, logs and stdio flushed first.
+
+    NOTE: tearing down torch, the weights and the KV cache takes a second or more (more on a
+    loaded machine), which a SIGTERM deadline has no room for; nothing of it needs doing.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 class DrainingServer(uvicorn.Server):
@@ -317,27 +351,38 @@ class DrainingServer(uvicorn.Server):
 
     uvicorn's own handling closes the listening socket at once (new clients would see
     'connection refused', not a 503) and re-raises the signal on exit (exit status -15).
-    A second signal exits at once.
+    A second signal exits at once. Whatever happens, the process is gone `shutdown_timeout`
+    + EXIT_GRACE_S seconds after the first signal (a watchdog thread sees to it).
     """
 
-    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]],
+                 shutdown_timeout: float) -> None:
         super().__init__(config)
         self._drain = drain
+        self._shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_started = False
+        self.drain_started = False
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._drain_started or self._loop is None:
+        if self.drain_started or self._loop is None:
             logger.warning("second signal: exiting now")
             self.should_exit = self.force_exit = True
             return
-        self._drain_started = True
+        self.drain_started = True
         logger.warning("received %s: draining", signal.Signals(sig).name)
+        watchdog = threading.Timer(self._shutdown_timeout + EXIT_GRACE_S, self._exit_late)
+        watchdog.daemon = True
+        watchdog.start()
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
+
+    @staticmethod
+    def _exit_late() -> None:
+        logger.warning("still shutting down %.1f s after the grace period: exiting now", EXIT_GRACE_S)
+        exit_now(0)
 
     async def _drain_then_exit(self) -> None:
         try:
@@ -351,9 +396,13 @@ def run_server(args: argparse.Namespace) -> int:
     from backfill.config import EngineConfig
     from backfill.engine.llm_engine import LLMEngine
 
-    if args.max_queue is not None and args.max_queue < 1:
-        logger.error("--max-queue must be >= 1")
-        return 2
+    for flag, value, ok in (("--max-queue", args.max_queue, args.max_queue is None or args.max_queue >= 1),
+                            ("--max-seqs-per-request", args.max_seqs_per_request, args.max_seqs_per_request >= 1),
+                            ("--read-timeout", args.read_timeout, args.read_timeout > 0),
+                            ("--shutdown-timeout", args.shutdown_timeout, args.shutdown_timeout >= 0)):
+        if not ok:
+            logger.error("invalid %s: %s", flag, value)
+            return 2
     try:
         config = EngineConfig(
             model=args.model, policy=args.policy, max_num_seqs=args.max_num_seqs,
@@ -366,14 +415,22 @@ def run_server(args: argparse.Namespace) -> int:
     engine = LLMEngine(config)
     api_key = args.api_key or os.environ.get("BACKFILL_API_KEY") or None
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
-                    max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, access_log=args.access_log,
-                               log_level="info", timeout_graceful_shutdown=5, lifespan="on")
-    server = DrainingServer(uv_config, app.state.drain)
+                    max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
+                    max_seqs_per_request=args.max_seqs_per_request)
+    # NOTE: h11 explicitly (not httptools, were it installed): the read timeout hooks into it.
+    http = functools.partial(ReadTimeoutH11Protocol, read_timeout=args.read_timeout)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, access_log=args.access_log, http=http,
+                               log_level="info", timeout_graceful_shutdown=CLOSE_CONNECTIONS_S, lifespan="on")
+    # After uvicorn.Config, which configures its loggers (and would drop a filter added before).
+    logging.getLogger("uvicorn.access").addFilter(RedactSecretsFilter())
+    server = DrainingServer(uv_config, app.state.drain, args.shutdown_timeout)
     logger.info("serving %s as %r on http://%s:%d", args.model or "the default model",
                 args.served_model_name or engine.model_name, args.host, args.port)
     server.run()
-    return 0 if server.started else 1
+    status = 0 if server.started else 1
+    if server.drain_started:
+        exit_now(status)
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

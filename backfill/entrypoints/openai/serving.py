@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -36,6 +37,12 @@ if TYPE_CHECKING:
 
 RETRY_AFTER_S = 1
 LONG_TEXT_CHARS = 20_000  # longer texts are tokenized in a worker thread, off the event loop
+# Sequences (prompts x n) one request may create: what it may cost in memory and in steps is
+# bounded before anything is tokenized, and the scheduler's fair share keeps it from
+# starving other clients. vLLM has no such bound; OpenAI caps n at 128.
+DEFAULT_MAX_SEQS_PER_REQUEST = 256
+# NOTE: str.isdigit() accepts '²' and int() accepts '-5', ' 5' and '1_0': only this is an id.
+_TOKEN_ID = re.compile(r"[0-9]{1,9}")
 
 
 @dataclass
@@ -134,12 +141,14 @@ class OpenAIServing:
     """The two generation endpoints over one AsyncEngine. Runs on the event loop only."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, served_model_name: str,
-                 max_model_len: int, vocab_size: int) -> None:
+                 max_model_len: int, vocab_size: int,
+                 max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_seqs_per_request = max_seqs_per_request
         self.token_text = TokenText(tokenizer)
 
     def check_model(self, model: str | None) -> None:
@@ -155,10 +164,12 @@ class OpenAIServing:
         if request.logit_bias:
             bias = {}
             for key, value in request.logit_bias.items():
-                if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
-                    raise bad_request(f"logit_bias: {key!r} is not a token id in [0, {self.vocab_size})",
+                if not _TOKEN_ID.fullmatch(key) or int(key) >= self.vocab_size:
+                    raise bad_request(f"logit_bias: {key[:20]!r} is not a token id in [0, {self.vocab_size})",
                                       "logit_bias")
                 bias[int(key)] = value
+        if request.stop_token_ids and any(not 0 <= t < self.vocab_size for t in request.stop_token_ids):
+            raise bad_request(f"stop_token_ids: token ids must be in [0, {self.vocab_size})", "stop_token_ids")
         fields: dict[str, Any] = {
             "n": request.n, "temperature": request.temperature, "top_p": request.top_p,
             "top_k": request.top_k, "min_p": request.min_p, "presence_penalty": request.presence_penalty,
@@ -175,6 +186,19 @@ class OpenAIServing:
         if len(text) > LONG_TEXT_CHARS:
             return await asyncio.to_thread(self.tokenizer.encode, text, True)
         return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def _check_fan_out(self, num_prompts: int, n: int | None) -> None:
+        """Refuse a request that would create more than --max-seqs-per-request sequences.
+
+        Called before anything is tokenized or queued: the count comes from the parsed body.
+        """
+        limit = self.max_seqs_per_request
+        if num_prompts > limit:
+            raise bad_request(f"prompt: {num_prompts} prompts in one request; this server takes at most "
+                              f"{limit} sequences (prompts x n) per request", "prompt")
+        if num_prompts * (n or 1) > limit:
+            raise bad_request(f"n: {num_prompts} prompt(s) x n={n} would make {num_prompts * (n or 1)} sequences; "
+                              f"this server takes at most {limit} per request", "n")
 
     def _check_prompt(self, token_ids: list[int], param: str) -> None:
         if not token_ids:
@@ -193,9 +217,11 @@ class OpenAIServing:
         Cancelling the caller cancels every `add_request`, each of which aborts its request.
         """
         arrival = time.monotonic()
+        # NOTE: every prompt of the request shares one group: the scheduler's fair share treats
+        # the whole request as one client.
         results = await asyncio.gather(*(
             self.engine.add_request(request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                                    prompt.token_ids, params, arrival)
+                                    prompt.token_ids, params, arrival, group_id=request_id)
             for i, prompt in enumerate(prompts)), return_exceptions=True)
         streams = [result for result in results if isinstance(result, RequestStream)]
         errors = [result for result in results if isinstance(result, BaseException)]
@@ -218,6 +244,7 @@ class OpenAIServing:
         request.check()
         raw = request.prompt
         items: list[str | list[int]] = [raw] if isinstance(raw, str) or isinstance(raw[0], int) else raw
+        self._check_fan_out(len(items), request.n)
         prompts = []
         for item in items:
             ids = await self._encode(item) if isinstance(item, str) else list(item)
@@ -311,15 +338,15 @@ class OpenAIServing:
         """As `create_completion`, for a conversation rendered with the model's chat template."""
         self.check_model(request.model)
         request.check()
+        self._check_fan_out(1, request.n)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in request.messages]
         try:
+            # Message text is encoded as text: only the template's markers become special tokens.
             if sum(len(m["content"]) for m in messages) > LONG_TEXT_CHARS:
-                text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, True)
-                ids = await asyncio.to_thread(self.tokenizer.encode, text, False)
+                text, ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, True)
             else:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                text, ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         except ValueError as error:
             raise value_error(error) from None
         self._check_prompt(ids, "messages")
