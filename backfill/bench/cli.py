@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from backfill.bench.workloads import ARRIVAL_KINDS, WORKLOAD_KINDS, WorkloadRequest, WorkloadSpec
-from backfill.config import DTYPES
+from backfill.config import DTYPES, QUANTIZATIONS
 
 if TYPE_CHECKING:
     from backfill.bench.compare import CompareConfig
@@ -68,6 +68,8 @@ def _workload_from_args(args: argparse.Namespace) -> list[WorkloadRequest]:
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+                        help="weight storage (auto: a GGUF as stored; none: expanded to --dtype; int8 / fp16)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-model-len", type=int, default=1024, help="context cap (bounds the KV pool)")
     parser.add_argument("--num-threads", type=int, default=None,
@@ -248,7 +250,8 @@ def _cmd_offline(args: argparse.Namespace) -> int:
 
     policies = ("continuous", "static") if args.policy == "both" else (args.policy,)
     return _run_comparison(args, CompareConfig(
-        model=args.model, dtype=args.dtype, device=args.device, batch_size=args.max_num_seqs, repeats=args.repeats,
+        model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+        batch_size=args.max_num_seqs, repeats=args.repeats,
         systems=policies, max_model_len=args.max_model_len, price_per_hour=args.price_per_hour,
         num_threads=args.num_threads, show_progress=not args.no_progress), "offline")
 
@@ -257,7 +260,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from backfill.bench.compare import CompareConfig
 
     return _run_comparison(args, CompareConfig(
-        model=args.model, dtype=args.dtype, device=args.device, batch_size=args.batch_size, repeats=args.repeats,
+        model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+        batch_size=args.batch_size, repeats=args.repeats,
         systems=tuple(args.systems), max_model_len=args.max_model_len, price_per_hour=args.price_per_hour,
         num_threads=args.num_threads, show_progress=not args.no_progress), "compare")
 
@@ -304,29 +308,34 @@ def _run_comparison(args: argparse.Namespace, config: CompareConfig, stem: str) 
 
 
 def _cmd_roofline(args: argparse.Namespace) -> int:
-    from backfill.bench.roofline import (decode_roofline, describe_host, format_machine, format_roofline_table,
-                                         load_model_shape, measure_machine, resolve_dtype)
+    from backfill.bench.roofline import (decode_roofline, describe_host, engine_model_shape, format_machine,
+                                         format_roofline_table, load_model_shape, measure_machine, resolve_dtype)
 
     _set_threads(args)
     machine = measure_machine(args.device, buffer_mb=args.buffer_mb)
     shape = load_model_shape(args.model)
+    dtype = resolve_dtype(args.dtype, args.device)
     print(format_machine(machine))
-    print(f"model {shape.name}: {shape.num_params / 1e6:.1f} M parameters, dtype {resolve_dtype(args.dtype)}")
     measured: dict[int, float] = {}
+    engine = None
     if args.measure_steps > 0:
         from backfill.bench.offline import make_engine, measure_decode_step, warm_up
 
         max_len = max(args.max_model_len, args.context_len + args.measure_steps + 8)
         engine = make_engine(args.model, "continuous", max(args.batch_sizes), args.dtype, args.device, max_len,
-                             num_threads=args.num_threads)
+                             num_threads=args.num_threads, quantization=args.quantization)
+        shape, dtype = engine_model_shape(shape, engine)
+    print(f"model {shape.name}: {shape.num_params / 1e6:.1f} M parameters, computed in {dtype}, "
+          f"{shape.weight_bytes(dtype) / 1e6:.1f} MB of weights read per step")
+    if engine is not None:
         warm_up(engine)
         for batch in args.batch_sizes:
             measured[batch] = measure_decode_step(engine, batch, args.context_len, args.measure_steps)
             print(f"batch {batch}: measured decode step {1000 * measured[batch]:.1f} ms")
-    rows = decode_roofline(shape, machine, args.dtype, args.batch_sizes, args.context_len, measured)
+    rows = decode_roofline(shape, machine, dtype, args.batch_sizes, args.context_len, measured)
     print(format_roofline_table(rows))
     _write_json(_result_path(args, "roofline"), {
-        "host": describe_host(), "machine": machine.to_json(), "model": shape.__dict__, "dtype": resolve_dtype(args.dtype), "rows": rows,
+        "host": describe_host(), "machine": machine.to_json(), "model": shape.__dict__, "dtype": dtype, "rows": rows,
     })
     return 0
 

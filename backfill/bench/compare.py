@@ -21,7 +21,7 @@ from backfill.bench.offline import (
     summarize_offline,
     warm_up,
 )
-from backfill.bench.roofline import MachineRoofline, ModelShape, describe_host, resolve_dtype
+from backfill.bench.roofline import MachineRoofline, ModelShape, describe_host, engine_model_shape, resolve_dtype
 from backfill.bench.workloads import WorkloadRequest, describe_workload
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ HEADLINE_FIELDS: tuple[str, ...] = (
 class CompareConfig:
     model: str | None = None
     dtype: str = "auto"
+    quantization: str = "auto"  # backfill's weight storage (transformers always runs dense)
     device: str = "cpu"
     batch_size: int = 16
     repeats: int = 3
@@ -133,13 +134,15 @@ def run_compare(
         if name not in config.systems:
             continue
         engine = make_engine(config.model, policy, config.batch_size, config.dtype, config.device, config.max_model_len,
-                             num_threads=config.num_threads, static_padding=static_padding)
+                             num_threads=config.num_threads, static_padding=static_padding,
+                             quantization=config.quantization)
         if tokenized is None:
             tokenized = tokenize_workload(requests, lambda text: engine.tokenizer.encode(text, add_special_tokens=True))
         warm_up(engine)
         roofline = None
         if machine is not None and model_shape is not None:
-            roofline = (model_shape, machine, config.dtype, engine.config.block_size)
+            engine_shape, engine_dtype = engine_model_shape(model_shape, engine)
+            roofline = (engine_shape, machine, engine_dtype, engine.config.block_size)
         summaries = per_system.setdefault(name, [])
         for repeat in range(config.repeats):
             run = run_offline_workload(engine, tokenized, f"{name} #{repeat + 1}", config.show_progress)
@@ -210,7 +213,8 @@ def build_report(
     return {
         "config": {
             "model": config.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
-            "dtype": resolve_dtype(config.dtype),
+            "dtype": resolve_dtype(config.dtype, config.device),
+            "quantization": config.quantization,
             "device": config.device,
             "batch_size": config.batch_size,
             "repeats": config.repeats,

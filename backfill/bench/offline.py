@@ -51,6 +51,7 @@ def make_engine(
     seed: int = 0,
     num_threads: int | None = None,
     static_padding: bool = True,
+    quantization: str = "auto",
 ) -> LLMEngine:
     from backfill.config import EngineConfig
     from backfill.engine.llm_engine import LLMEngine
@@ -61,6 +62,7 @@ def make_engine(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         dtype=dtype,
+        quantization=quantization,
         device=device,
         max_model_len=max_model_len,
         seed=seed,

@@ -16,7 +16,7 @@ import json
 import logging
 import struct
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -25,9 +25,17 @@ logger = logging.getLogger(__name__)
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def resolve_dtype(dtype: str) -> str:
-    """The dtype the engine computes in: "auto" is bfloat16 (EngineConfig's documented default)."""
-    return "bfloat16" if dtype == "auto" else dtype
+def resolve_dtype(dtype: str, device: str = "cpu") -> str:
+    """The dtype a dense model computes in: "auto" is the device's fast dtype (bf16 where it
+    is native, else fp32: model/loader.preferred_dtype). The CPU kernels always compute in
+    fp32; the engine says which it runs (`engine.runner.dtype`)."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    from backfill.model.loader import preferred_dtype
+
+    return str(preferred_dtype(torch.device(device))).removeprefix("torch.")
 
 
 @dataclass
@@ -112,6 +120,15 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     tie_word_embeddings: bool
+    # Bytes of weights one step reads in full (every linear and the LM head) where they are
+    # not `matmul_params` of the compute dtype: the CPU kernels read a GGUF's blocks as stored.
+    # None: dense weights in the compute dtype.
+    weight_bytes_per_step: int | None = None
+
+    def weight_bytes(self, dtype: str) -> int:
+        if self.weight_bytes_per_step is not None:
+            return self.weight_bytes_per_step
+        return self.matmul_params * DTYPE_BYTES[resolve_dtype(dtype)]
 
     @property
     def lm_head_params(self) -> int:
@@ -130,6 +147,7 @@ class ModelShape:
         from gguf import GGUFReader
 
         reader = GGUFReader(str(path))
+        tensors = {t.name: t for t in reader.tensors}
 
         def meta(key: str) -> Any:
             part = reader.fields[key]
@@ -137,7 +155,9 @@ class ModelShape:
             return bytes(value).decode() if part.types and part.types[0].name == "STRING" else value[0]
 
         arch = meta("general.architecture")
-        names = {t.name for t in reader.tensors}
+        names = set(tensors)
+        head = tensors.get("output.weight", tensors["token_embd.weight"])
+        stored = sum(int(t.n_bytes) for t in reader.tensors if t.name.startswith("blk.")) + int(head.n_bytes)
         hidden = int(meta(f"{arch}.embedding_length"))
         num_heads = int(meta(f"{arch}.attention.head_count"))
         return cls(
@@ -150,6 +170,7 @@ class ModelShape:
             head_dim=hidden // num_heads,
             vocab_size=next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight"),
             tie_word_embeddings="output.weight" not in names,
+            weight_bytes_per_step=stored,  # as stored: what the CPU kernels read
         )
 
     @classmethod
@@ -214,9 +235,8 @@ def ideal_step(
     Only each sequence's last token goes through the LM head.
     """
     dtype = resolve_dtype(dtype)
-    nbytes = DTYPE_BYTES[dtype]
     body_params = model.matmul_params - model.lm_head_params
-    weight_bytes = model.matmul_params * nbytes
+    weight_bytes = model.weight_bytes(dtype)
     kv_bytes = num_context_tokens * model.kv_bytes_per_token(dtype)
     # attention: q.k and p.v over the context, per layer and query head; prefill tokens see
     # fewer on average, so charging every token the mean context is an upper bound.
@@ -233,6 +253,14 @@ def ideal_step(
         "bytes": weight_bytes + kv_bytes,
         "flops": flops,
     }
+
+
+def engine_model_shape(shape: ModelShape, engine: Any) -> tuple[ModelShape, str]:
+    """`shape` with the bytes the engine's model really reads per step, and the dtype it
+    computes in (fp32 on the CPU kernels whatever `dtype="auto"` would pick for a dense model)."""
+    model = engine.runner.model
+    dtype = str(engine.runner.dtype).removeprefix("torch.")
+    return replace(shape, weight_bytes_per_step=int(model.weight_bytes_per_step)), dtype
 
 
 def decode_roofline(

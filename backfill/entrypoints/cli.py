@@ -6,13 +6,15 @@ import argparse
 import logging
 import sys
 
-from backfill.config import DTYPES, POLICIES
+from backfill.config import DTYPES, POLICIES, QUANTIZATIONS
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--policy", choices=POLICIES, default="continuous")
     parser.add_argument("--dtype", choices=DTYPES, default="auto")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+                        help="weight storage: auto (a GGUF as stored), none (expanded to --dtype), int8, fp16")
     parser.add_argument("--device", default="cpu")
 
 
@@ -57,7 +59,8 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"backfill generate: {error}", file=sys.stderr)
         return 2
-    llm = LLM(model=args.model, policy=args.policy, dtype=args.dtype, device=args.device)
+    llm = LLM(model=args.model, policy=args.policy, dtype=args.dtype, quantization=args.quantization,
+              device=args.device)
     try:
         if args.chat:
             output = llm.chat([{"role": "user", "content": args.prompt}], params)[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from dataclasses import replace
 
 import pytest
 
@@ -18,6 +19,7 @@ from backfill.bench.roofline import (
     format_roofline_table,
     ideal_step,
     load_model_shape,
+    resolve_dtype,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -107,7 +109,18 @@ def test_ideal_decode_step_matches_hand_arithmetic() -> None:
     # KV read adds bytes: 64 seqs x 512 tokens x (2 x 30 x 3 x 64 x 2 bytes)
     with_kv = ideal_step(SMOL, MACHINE, "bfloat16", 1, 1, 512)
     assert with_kv["bytes"] - one["bytes"] == 512 * 23040
-    assert ideal_step(SMOL, MACHINE, "auto", 1, 1, 0) == one  # auto computes in bf16
+    auto = resolve_dtype("auto")  # the machine's fast dtype for a dense model
+    assert ideal_step(SMOL, MACHINE, "auto", 1, 1, 0) == ideal_step(SMOL, MACHINE, auto, 1, 1, 0)
+
+
+def test_weights_as_stored_are_charged_their_own_bytes() -> None:
+    """The CPU kernels read a GGUF's blocks: the memory bound is their bytes, whatever the
+    compute dtype; the compute bound is unchanged."""
+    stored = replace(SMOL, weight_bytes_per_step=96_000_000)
+    one = ideal_step(stored, MACHINE, "float32", 1, 1, 0)
+    assert one["bytes"] == 96_000_000 and one["ideal_s"] == pytest.approx(96e6 / 31e9)
+    assert ideal_step(stored, MACHINE, "float32", 64, 64, 0) == ideal_step(SMOL, MACHINE, "float32", 64, 64, 0) | {
+        "bytes": 96_000_000, "memory_s": pytest.approx(96e6 / 31e9)}
 
 
 def test_decode_roofline_rows_and_table() -> None:
@@ -125,6 +138,9 @@ def test_model_shape_from_the_default_gguf_and_an_hf_folder(tmp_path: Path) -> N
     assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads) == (30, 576, 9, 3)
     assert shape.head_dim == 64 and shape.vocab_size == 49152 and shape.tie_word_embeddings
     assert 134e6 < shape.num_params < 135e6
+    # as stored: 30 layers of Q4_1 linears (5 bits a weight) + norms, and the Q8_0 tied head
+    layers, head = 30 * (576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576) * 20 // 32, 49152 * 576 * 34 // 32
+    assert shape.weight_bytes_per_step == layers + head + 30 * 2 * 576 * 4
     # an HF folder: config.json and a safetensors header are enough
     (tmp_path / "config.json").write_text(json.dumps({
         "num_attention_heads": 4, "num_hidden_layers": 2, "hidden_size": 32, "vocab_size": 100,

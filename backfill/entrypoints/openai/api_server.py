@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from backfill.config import DTYPES, POLICIES
+from backfill.config import DTYPES, POLICIES, QUANTIZATIONS
 from backfill.engine.async_engine import AsyncEngine, EngineStoppedError
 from backfill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from backfill.entrypoints.openai.protocol import (MAX_BODY_BYTES, APIError, ChatCompletionRequest,
@@ -319,7 +319,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences that find no free batch slot beyond which requests get 429 (default: no limit)")
     parser.add_argument("--max-seqs-per-request", type=int, default=DEFAULT_MAX_SEQS_PER_REQUEST,
                         help="most sequences (prompts x n) one request may create; more is a 400")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="activations and KV cache (the CPU kernels compute in float32)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+                        help="weight storage: auto (a GGUF's matrices as stored, a folder's as fp32), "
+                             "none (expanded to --dtype), int8 (Q8_0 blocks), fp16; weight-only")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
@@ -408,6 +412,7 @@ def run_server(args: argparse.Namespace) -> int:
             model=args.model, policy=args.policy, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
             block_size=args.block_size, max_model_len=args.max_model_len, dtype=args.dtype,
+            quantization=args.quantization,
             device=args.device, seed=args.seed, num_threads=args.num_threads)
     except ValueError as error:
         logger.error("invalid engine option: %s", error)
