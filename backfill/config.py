@@ -12,6 +12,12 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # Hugging Face folder's as fp32, "none" expands everything to `dtype` (the reference path),
 # "int8" / "fp16" store the matrices weight-only in Q8_0 blocks / fp16.
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "fp16")
+# Per device: units of prompt work a step may add while other requests decode (see
+# EngineConfig.prefill_budget). On a CPU a step's cost grows linearly with its tokens: a decode
+# step of 8 streams costs ~9 token-units there, so 16 more keep a chunked step within ~3x of a
+# plain decode step (BENCHMARKS.md, "Long prompt beside decoding streams"). On a GPU a step
+# of a few hundred tokens costs about what a decode step does: no limit but the token budget.
+DEFAULT_PREFILL_BUDGET: dict[str, int] = {"cpu": 16, "cuda": 0}
 
 
 @dataclass(frozen=True)
@@ -40,8 +46,20 @@ class EngineConfig:
     # policy="static": a finished request's slot is still computed (a padding row) until its
     # batch ends, as in any fixed-shape batch (transformers generate(), request-level servers).
     # False computes only unfinished requests: a static batch that shrinks every iteration.
+    # While other requests decode, a step's prompt chunks take at most this many units of
+    # work (a prompt token costs 1 plus its attention over the context before it, relative to
+    # its linear layers), so a long prompt's chunks cannot stall running streams. None: the
+    # device's default (DEFAULT_PREFILL_BUDGET); 0: no limit but max_num_batched_tokens.
+    prefill_budget: int | None = None
     static_padding: bool = True
     prepack_weights: bool = True  # CPU fp32: linear weights in oneDNN's packed layout (model/prepack.py)
+
+    def resolved_prefill_budget(self) -> int | None:
+        """The prompt-work limit per step while others decode (None: no limit)."""
+        budget = self.prefill_budget
+        if budget is None:
+            budget = DEFAULT_PREFILL_BUDGET["cuda" if self.device.startswith("cuda") else "cpu"]
+        return budget or None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -60,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.prefill_budget is not None and (not isinstance(self.prefill_budget, int) or self.prefill_budget < 0):
+            raise ValueError(f"prefill_budget must be a non-negative integer or None, got {self.prefill_budget!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

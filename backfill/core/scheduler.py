@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -40,11 +41,20 @@ class Scheduler:
     (abort, stop string) may come between steps.
     """
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+    def __init__(
+        self, config: EngineConfig, num_kv_blocks: int, prefill_budget: int | None = None, context_cost: float = 0.0
+    ) -> None:
+        """`prefill_budget`: while any request decodes, the units of prompt work a step may
+        take (see _PrefillBudget; None: no limit but `max_num_batched_tokens`); LLMEngine passes
+        `config.resolved_prefill_budget()`. `context_cost`: a prompt token's attention cost per
+        token of context before it, in units of its own linear-layer cost (LLMEngine derives it
+        from the model; 0 counts every prompt token as 1 unit)."""
         self.config = config
         self.policy = config.policy
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.prefill_budget = prefill_budget
+        self.context_cost = context_cost
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, config.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -137,7 +147,7 @@ class Scheduler:
         if self.policy == "static" and not self._batch_request_ids:
             self._start_batch()
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []  # scheduled[i] is running[i] during phase 1
+        by_running: list[ScheduledRequest | None] = []  # by_running[i]: running[i]'s work (None: none this step)
         preempted: list[Request] = []  # for lack of KV blocks
 
         # 0. Fair share: with every slot taken, a group running two or more sequences fewer
@@ -147,26 +157,37 @@ class Scheduler:
         # 1. Running requests, in admission order. One that cannot get blocks preempts the most
         #    recently arrived running request of the largest group (taking back its work if
         #    already scheduled).
+        #    While any request decodes, prompt chunks also share `prefill_budget` (see
+        #    _chunk_len), so a long prompt cannot stall the decodes beside it.
+        prefill = _PrefillBudget(self.prefill_budget if self._any_decoding() else None, self.context_cost)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new_tokens = prefill.chunk_len(request, budget)
+            if num_new_tokens == 0:  # a prompt chunk that must wait for the next step
+                index += 1
+                by_running.append(None)
+                continue
             while not self.kv_cache_manager.can_allocate(request, num_new_tokens):
                 victim = max(self.running, key=self._victim_key)
                 victim_index = self.running.index(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim_index < index:
-                    undone = scheduled.pop(victim_index)
-                    assert undone.new_request is None  # admitted in an earlier step
-                    budget += undone.num_tokens
+                    undone = by_running.pop(victim_index)
+                    if undone is not None:
+                        assert undone.new_request is None  # admitted in an earlier step
+                        budget += undone.num_tokens
+                        prefill.give_back(undone)
                     index -= 1
                 elif victim is request:
                     break
             else:  # no break: the blocks are there
-                scheduled.append(self._schedule_request(request, num_new_tokens, now))
+                by_running.append(self._schedule_request(request, num_new_tokens, now))
+                prefill.spend(request, num_new_tokens)
                 budget -= num_new_tokens
                 index += 1
+        scheduled = [item for item in by_running if item is not None]
 
         # 2. Waiting requests, in priority order (fair share within it), while budget, slots
         #    and blocks allow. None in a step that had to preempt for blocks: the pool is short.
@@ -174,11 +195,12 @@ class Scheduler:
             request = self._next_waiting()
             if request is None:
                 break
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache_manager.can_allocate(request, num_new_tokens):
+            num_new_tokens = prefill.chunk_len(request, budget)
+            if num_new_tokens == 0 or not self.kv_cache_manager.can_allocate(request, num_new_tokens):
                 break
             self._admit(request)
             scheduled.append(self._schedule_request(request, num_new_tokens, now))
+            prefill.spend(request, num_new_tokens)
             budget -= num_new_tokens
 
         scheduled_ids = {s.request_id for s in scheduled}
@@ -202,6 +224,10 @@ class Scheduler:
             num_batched_tokens=self.max_num_batched_tokens - budget,
             padding_seq_lens=padding_seq_lens,
         )
+
+    def _any_decoding(self) -> bool:
+        """Whether a running request is one token behind: it samples this step unless held."""
+        return any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
 
     def _next_waiting(self) -> Request | None:
         """The waiting request to admit next. Continuous: among those of the head's priority,
@@ -417,3 +443,51 @@ def _count(counts: dict[str, int], key: str, delta: int) -> None:
         counts[key] = value
     else:
         counts.pop(key, None)
+
+
+class _PrefillBudget:
+    """One step's allowance for prompt chunks (requests more than one token behind) while other
+    requests decode: `limit` units, a prompt token at position p costing 1 + context_cost * p
+    (its attention grows with the context before it, so a chunk late in an 8k prompt gets
+    fewer tokens than one at its start and every chunked step costs about the same). None: no
+    limit but the step's token budget. A decode (one token behind) is never held back, and the
+    first prompt token of a step is always allowed, so every prompt progresses.
+    """
+
+    def __init__(self, limit: int | None, context_cost: float) -> None:
+        self.limit = limit
+        self.context_cost = context_cost
+        self.spent = 0.0
+
+    def cost(self, start: int, num_tokens: int) -> float:
+        """Units of prompt tokens at positions start .. start + num_tokens - 1."""
+        return num_tokens + self.context_cost * (num_tokens * start + num_tokens * (num_tokens - 1) / 2)
+
+    def chunk_len(self, request: Request, budget: int) -> int:
+        """Tokens `request` computes this step within `budget` tokens (0: none)."""
+        behind = request.num_tokens - request.num_computed_tokens
+        num_tokens = min(behind, budget)
+        if behind == 1 or self.limit is None or num_tokens == 0:
+            return num_tokens
+        left = self.limit - self.spent
+        start = request.num_computed_tokens
+        if self.cost(start, num_tokens) > left:
+            # the largest n with cost(start, n) <= left: the root of a quadratic, then made exact
+            a, b = self.context_cost / 2, 1 + self.context_cost * (start - 0.5)
+            n = int(left / b) if a == 0 else int((-b + math.sqrt(b * b + 4 * a * max(left, 0.0))) / (2 * a))
+            n = max(min(n, num_tokens), 0)
+            while n > 0 and self.cost(start, n) > left:
+                n -= 1
+            while n < num_tokens and self.cost(start, n + 1) <= left:
+                n += 1
+            num_tokens = n if n > 0 or self.spent > 0 else 1
+        return num_tokens
+
+    def spend(self, request: Request, num_tokens: int) -> None:
+        if num_tokens > 1 or request.num_tokens - request.num_computed_tokens > 1:
+            self.spent += self.cost(request.num_computed_tokens, num_tokens)
+
+    def give_back(self, undone: ScheduledRequest) -> None:
+        """A chunk taken back (its request was preempted in the same step)."""
+        if not undone.sample or undone.num_tokens > 1:
+            self.spent -= self.cost(undone.num_computed_tokens, undone.num_tokens)

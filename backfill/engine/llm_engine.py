@@ -82,7 +82,8 @@ class LLMEngine:
         self.tokenizer: Tokenizer = load_tokenizer(config.model)
         self.max_model_len = self.runner.max_model_len
         self.model_name = _model_name(config.model)
-        self.scheduler = Scheduler(config, self.runner.num_kv_blocks)
+        self.scheduler = Scheduler(config, self.runner.num_kv_blocks, config.resolved_prefill_budget(),
+                                   self.runner.context_cost)
         self._groups: dict[str, _Group] = {}
         self._sequences: dict[str, _Sequence] = {}  # by the scheduler's request id
         self._num_steps = 0

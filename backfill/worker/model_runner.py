@@ -88,6 +88,17 @@ class ModelRunner:
         return model
 
     @property
+    def context_cost(self) -> float:
+        """A token's attention FLOPs per token of context before it (4 * layers * heads *
+        head_dim: q.k and p.v), relative to its linear layers' (2 * their weights), for the
+        scheduler's prompt budget."""
+        cfg = self.model_config
+        linear = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim  # qkv
+        linear += cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+        attention = 4 * cfg.num_heads * cfg.head_dim
+        return attention / (2 * linear)
+
+    @property
     def kv_bytes_per_token(self) -> int:
         cfg = self.model_config
         element_size = torch.empty((), dtype=self.dtype).element_size()
