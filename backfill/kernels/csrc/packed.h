@@ -65,10 +65,17 @@ struct TileJob {
   bool accumulate;
   int64_t tile_begin;
   int64_t tile_end;
-  float* scratch;  // >= job_scratch_floats(cols) floats, 64-byte aligned, private to this job
+  float* scratch;  // kJobScratchFloats floats, 64-byte aligned, private to this job
 };
 
-// Scratch a job needs: up to 4 dequantized [K][16] fp32 panels.
-inline int64_t job_scratch_floats(int64_t cols) { return 4 * kTileRows * cols; }
+// A job's scratch: dequantized fp32 panels (<= 2048 columns x 16 rows), partial sums of up to
+// kScratchPartRows rows x 4 tiles, and x packed (~512 KB, at least 16 rows of K).
+constexpr int64_t kScratchPanelFloats = 2048 * kTileRows;
+constexpr int64_t kScratchPartRows = 1024;
+constexpr int64_t kScratchPartFloats = kScratchPartRows * 4 * kTileRows;
+constexpr int64_t kScratchXFloats = 512 * 1024 / 4;
+inline int64_t job_scratch_floats(int64_t cols) {
+  return kScratchPanelFloats + kScratchPartFloats + (kScratchXFloats > 16 * cols ? kScratchXFloats : 16 * cols);
+}
 
 }  // namespace backfill

@@ -57,10 +57,11 @@ AI VF vf_nib_hi(VI a) { return vi_to_f(vi_srl<4>(a)); }
 
 // Blocking (32 zmm): fused MR x NT accumulators + NT weights + scales stay in registers;
 // panels run 12 x 32 (24 accumulators, 2 weight vectors, broadcasts).
-constexpr int kFusedMaxM = 4;
-constexpr int fused_nt(int mr) { return mr <= 2 ? 4 : mr == 3 ? 3 : 2; }
+constexpr int kFusedMaxM = 8;
+constexpr int fused_nt(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 3 : 2; }
 constexpr int kPanelNT = 2;
 constexpr int kPanelMaxMR = 12;
+constexpr int64_t kPanelKc = 192;  // 2 panels of 12 KB
 
 }  // namespace
 }  // namespace backfill

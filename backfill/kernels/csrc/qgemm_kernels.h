@@ -211,135 +211,175 @@ BF_AI void store_acc(const VF (&acc)[MR][NT], const TileJob& job, int64_t row0, 
   }
 }
 
+// Rows [row0, row0 + mr) of x packed column by column, out [K][mr]: the kernels' broadcasts then
+// walk one pointer (the row pointers would not fit the general registers beside the rest).
+inline void pack_x(const TileJob& job, int64_t row0, int mr, float* out) {
+  for (int i = 0; i < mr; ++i) {
+    const float* xi = job.x + (row0 + i) * job.ldx;
+    for (int64_t k = 0; k < job.cols; ++k) out[k * mr + i] = xi[k];
+  }
+}
+
+// Size of block b when `rows` are cut into num_blocks blocks differing by at most one row.
+inline int block_rows(int64_t rows, int64_t num_blocks, int64_t b) {
+  return static_cast<int>(rows / num_blocks + (b < rows % num_blocks ? 1 : 0));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Fused kernel (few rows): dequantize NT tiles straight into registers and FMA them into MR x NT
 // accumulators; the weights are read once per call, from memory. NT tiles give NT x MR
 // independent chains, enough to hide the FMA latency at MR = 1.
 
 template <class Dq, int MR, int NT>
-__attribute__((noinline)) void fused_block(const TileJob& job, int64_t row0, int64_t tile0) {
+__attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, int64_t tile0) {
   const int64_t tb = tile_bytes(job.type, job.cols);
   const uint8_t* tiles[NT];
   BF_UNROLL for (int t = 0; t < NT; ++t) tiles[t] = job.w + (tile0 + t) * tb;
-  const float* xr[MR];
-  BF_UNROLL for (int i = 0; i < MR; ++i) xr[i] = job.x + (row0 + i) * job.ldx;
   VF acc[MR][NT];
   BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) acc[i][t] = vf_zero();
   Dq::template for_each<NT>(tiles, 0, job.cols, [&](int64_t k, const VF* w) __attribute__((always_inline)) {
     BF_UNROLL for (int i = 0; i < MR; ++i) {
-      const VF xb = vf_bcast(xr[i] + k);
+      const VF xb = vf_bcast(xp + k * MR + i);
       BF_UNROLL for (int t = 0; t < NT; ++t) acc[i][t] = vf_fma(xb, w[t], acc[i][t]);
     }
   });
-  store_acc<MR, NT>(acc, job, row0, tile0);
+  store_acc<MR, NT>(acc, job, 0, tile0);
 }
 
 // Tiles [tile_begin, tile_end) for rows [row0, row0 + MR): groups of NT tiles, the rest in one
 // smaller group.
 template <class Dq, int MR, int NT>
-void fused_tiles(const TileJob& job, int64_t row0, int64_t tile_begin, int64_t tile_end) {
+void fused_tiles(const TileJob& job, const float* xp, int64_t tile_begin, int64_t tile_end) {
   int64_t tile = tile_begin;
-  for (; tile + NT <= tile_end; tile += NT) fused_block<Dq, MR, NT>(job, row0, tile);
+  for (; tile + NT <= tile_end; tile += NT) fused_block<Dq, MR, NT>(job, xp, tile);
   if constexpr (NT > 1) {
-    if (tile < tile_end) fused_tiles<Dq, MR, NT - 1>(job, row0, tile, tile_end);
+    if (tile < tile_end) fused_tiles<Dq, MR, NT - 1>(job, xp, tile, tile_end);
   }
 }
 
+// All job.m rows (<= kFusedMaxM) at once; xp = x packed [K][m].
 template <class Dq, int MR = 1>
-void fused_rows(const TileJob& job, int mr) {
+void fused_rows(const TileJob& job, int mr, const float* xp) {
   if constexpr (MR < kFusedMaxM) {
-    if (mr != MR) return fused_rows<Dq, MR + 1>(job, mr);
+    if (mr != MR) return fused_rows<Dq, MR + 1>(job, mr, xp);
   }
-  fused_tiles<Dq, MR, fused_nt(MR)>(job, 0, job.tile_begin, job.tile_end);
+  fused_tiles<Dq, MR, fused_nt(MR)>(job, xp, job.tile_begin, job.tile_end);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Panel kernel (more rows): NT tiles dequantized once into fp32 panels [K][16] (L2-resident),
-// then every block of MR <= kPanelMaxMR rows runs an MR x NT register-blocked FMA loop over
-// them (broadcast x, 16-wide weights), so the dequantization is shared by all the rows.
+// Panel kernel (more rows): NT tiles dequantized into fp32 panels [kc][16] a column chunk at a
+// time (kPanelKc columns: the panels stay in L1), then every block of MR <= kPanelMaxMR rows
+// runs an MR x NT register-blocked FMA loop over the chunk (broadcast x, 16-wide weights), so
+// the dequantization is shared by all the rows. Between chunks each block's accumulators wait
+// in `part` (fp32, stored and reloaded exactly: the chains are the same as unchunked).
+
+static_assert(kPanelNT * kPanelKc <= kScratchPanelFloats / kTileRows, "panels exceed the job scratch");
 
 template <int MR, int NT>
-__attribute__((noinline)) void panel_block(const TileJob& job, int64_t row0, int64_t tile0,
-                                           const float* const* panels) {
-  const float* xr[MR];
-  BF_UNROLL for (int i = 0; i < MR; ++i) xr[i] = job.x + (row0 + i) * job.ldx;
+__attribute__((noinline)) void panel_block(const TileJob& job, int64_t row0, const float* xp, int64_t tile0,
+                                           const float* const* panels, int64_t k0, int64_t kn, float* part,
+                                           bool first, bool last) {
+  xp += k0 * MR;  // x packed [K][MR]
   const float* p[NT];
   BF_UNROLL for (int t = 0; t < NT; ++t) p[t] = panels[t];
   VF acc[MR][NT];
-  BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) acc[i][t] = vf_zero();
-  for (int64_t k = 0; k < job.cols; ++k) {
+  BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) {
+    acc[i][t] = first ? vf_zero() : vf_load(part + (i * NT + t) * kTileRows);
+  }
+  for (int64_t k = 0; k < kn; ++k) {
     VF w[NT];
     BF_UNROLL for (int t = 0; t < NT; ++t) w[t] = vf_load(p[t] + 16 * k);
     BF_UNROLL for (int i = 0; i < MR; ++i) {
-      const VF xb = vf_bcast(xr[i] + k);
+      const VF xb = vf_bcast(xp + k * MR + i);
       BF_UNROLL for (int t = 0; t < NT; ++t) acc[i][t] = vf_fma(xb, w[t], acc[i][t]);
     }
   }
-  store_acc<MR, NT>(acc, job, row0, tile0);
+  if (last) {
+    store_acc<MR, NT>(acc, job, row0, tile0);
+  } else {
+    BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) {
+      vf_store(part + (i * NT + t) * kTileRows, acc[i][t]);
+    }
+  }
 }
 
 template <int NT, int MR = 1>
-void panel_rows(const TileJob& job, int mr, int64_t row0, int64_t tile0, const float* const* panels) {
+void panel_rows(int mr, const TileJob& job, int64_t row0, const float* xp, int64_t tile0, const float* const* panels,
+                int64_t k0, int64_t kn, float* part, bool first, bool last) {
   if constexpr (MR < kPanelMaxMR) {
-    if (mr != MR) return panel_rows<NT, MR + 1>(job, mr, row0, tile0, panels);
+    if (mr != MR) return panel_rows<NT, MR + 1>(mr, job, row0, xp, tile0, panels, k0, kn, part, first, last);
   }
-  panel_block<MR, NT>(job, row0, tile0, panels);
+  panel_block<MR, NT>(job, row0, xp, tile0, panels, k0, kn, part, first, last);
 }
 
-// Dequantize one tile into panel [K][16].
+// Columns [k0, k0 + kn) of one tile into panel [kn][16].
 template <class Dq>
-__attribute__((noinline)) void dequant_panel(const uint8_t* tile, int64_t cols, float* panel) {
+__attribute__((noinline)) void dequant_panel(const uint8_t* tile, int64_t k0, int64_t kn, float* panel) {
   const uint8_t* tiles[1] = {tile};
-  Dq::template for_each<1>(tiles, 0, cols, [&](int64_t k, const VF* w) __attribute__((always_inline)) {
-    vf_store(panel + 16 * k, w[0]);
+  Dq::template for_each<1>(tiles, k0, kn, [&](int64_t k, const VF* w) __attribute__((always_inline)) {
+    vf_store(panel + 16 * (k - k0), w[0]);
   });
 }
 
-// Rows [row_begin, row_end) x tiles [tile0, tile0 + NT): panels, then balanced row blocks.
+// Rows [row_begin, row_end) x tiles [tile0, tile0 + NT), in balanced blocks of <= kPanelMaxMR rows
+// (row_blocks(...)); xp = those rows packed by pack_x.
 template <class Dq, int NT>
-void panel_group(const TileJob& job, int64_t row_begin, int64_t row_end, int64_t tile0) {
+void panel_group(const TileJob& job, int64_t row_begin, int64_t row_end, const float* xp, int64_t tile0) {
   const int64_t tb = tile_bytes(job.type, job.cols);
-  const float* panels[NT];
-  BF_UNROLL for (int t = 0; t < NT; ++t) {
-    const uint8_t* tile = job.w + (tile0 + t) * tb;
-    if constexpr (Dq::kIsPanel) {
-      panels[t] = reinterpret_cast<const float*>(tile);
-    } else {
-      float* panel = job.scratch + t * kTileRows * job.cols;  // [K][16]
-      dequant_panel<Dq>(tile, job.cols, panel);
-      panels[t] = panel;
-    }
-  }
+  float* part = job.scratch + kScratchPanelFloats;  // [rows][NT][16] partial sums
   const int64_t rows = row_end - row_begin;
   const int64_t num_blocks = (rows + kPanelMaxMR - 1) / kPanelMaxMR;
-  int64_t row = row_begin;
-  for (int64_t b = 0; b < num_blocks; ++b) {  // sizes differ by at most one row
-    const int mr = static_cast<int>(rows / num_blocks + (b < rows % num_blocks ? 1 : 0));
-    panel_rows<NT>(job, mr, row, tile0, panels);
-    row += mr;
+  for (int64_t k0 = 0; k0 < job.cols; k0 += kPanelKc) {
+    const int64_t kn = job.cols - k0 < kPanelKc ? job.cols - k0 : kPanelKc;
+    const float* panels[NT];
+    BF_UNROLL for (int t = 0; t < NT; ++t) {
+      const uint8_t* tile = job.w + (tile0 + t) * tb;
+      if constexpr (Dq::kIsPanel) {
+        panels[t] = reinterpret_cast<const float*>(tile) + kTileRows * k0;
+      } else {
+        float* panel = job.scratch + t * kTileRows * kPanelKc;  // [kn][16]
+        dequant_panel<Dq>(tile, k0, kn, panel);
+        panels[t] = panel;
+      }
+    }
+    int64_t row = row_begin;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const int mr = block_rows(rows, num_blocks, b);
+      panel_rows<NT>(mr, job, row, xp + (row - row_begin) * job.cols, tile0, panels, k0, kn,
+                     part + (row - row_begin) * NT * kTileRows, k0 == 0, k0 + kn == job.cols);
+      row += mr;
+    }
   }
 }
 
 template <class Dq>
-void panel_path(const TileJob& job) {
+void panel_path(const TileJob& job, float* xp) {
   // Rows in chunks whose x slice (~512 KB) stays in L2 while all the job's tiles pass over it;
-  // each chunk dequantizes the panels again (a few % at these sizes).
-  const int64_t x_rows = (512 * 1024 / 4) / job.cols / kPanelMaxMR * kPanelMaxMR;
-  const int64_t chunk = x_rows > kPanelMaxMR ? x_rows : kPanelMaxMR;
+  // each chunk dequantizes the weights again (a few % of the FMAs at these sizes).
+  int64_t chunk = kScratchXFloats / job.cols;
+  chunk = chunk < kPanelMaxMR ? kPanelMaxMR : chunk > kScratchPartRows ? kScratchPartRows : chunk;
   for (int64_t r0 = 0; r0 < job.m; r0 += chunk) {
     const int64_t r1 = r0 + chunk < job.m ? r0 + chunk : job.m;
+    const int64_t num_blocks = (r1 - r0 + kPanelMaxMR - 1) / kPanelMaxMR;
+    for (int64_t b = 0, row = r0; b < num_blocks; ++b) {  // block b -> xp + (row - r0) K: [K][mr]
+      const int mr = block_rows(r1 - r0, num_blocks, b);
+      pack_x(job, row, mr, xp + (row - r0) * job.cols);
+      row += mr;
+    }
     int64_t tile = job.tile_begin;
-    for (; tile + kPanelNT <= job.tile_end; tile += kPanelNT) panel_group<Dq, kPanelNT>(job, r0, r1, tile);
-    for (; tile < job.tile_end; ++tile) panel_group<Dq, 1>(job, r0, r1, tile);
+    for (; tile + kPanelNT <= job.tile_end; tile += kPanelNT) panel_group<Dq, kPanelNT>(job, r0, r1, xp, tile);
+    for (; tile < job.tile_end; ++tile) panel_group<Dq, 1>(job, r0, r1, xp, tile);
   }
 }
 
 template <class Dq>
 void run_job(const TileJob& job) {
+  float* xp = job.scratch + kScratchPanelFloats + kScratchPartFloats;
   if (job.m <= kFusedMaxM && !Dq::kIsPanel) {
-    fused_rows<Dq>(job, static_cast<int>(job.m));
+    pack_x(job, 0, static_cast<int>(job.m), xp);
+    fused_rows<Dq>(job, static_cast<int>(job.m), xp);
   } else {
-    panel_path<Dq>(job);
+    panel_path<Dq>(job, xp);
   }
 }
 
