@@ -104,6 +104,10 @@ void register_decoder(pybind11::module& m);  // decoder.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "backfill CPU kernels: linear layers over GGUF-quantized weights, fused decoder steps";
   m.def("isa", &backfill::active_isa, "instruction set the kernels run with: avx512, avx2 or scalar");
+  m.def("set_isa", &backfill::set_active_isa,
+        "tests / benchmarks: run the kernels with avx512, avx2 or scalar from now on (never above the CPU's); "
+        "False if refused",
+        pybind11::arg("name"));
   namespace py = pybind11;
   m.def("repack", &backfill::repack_weight, "raw GGUF rows -> the kernels' packed layout", py::arg("raw"),
         py::arg("qtype"), py::arg("cols"));

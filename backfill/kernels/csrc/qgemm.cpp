@@ -1,20 +1,24 @@
-// Run-time ISA choice and multi-threading for the linear kernels (torch's intra-op pool).
+// Run-time ISA choice and multi-threading for the packed linear kernels (torch's intra-op pool).
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <algorithm>
 #include <vector>
 
 #include "isa.h"
 #include "qgemm.h"
+#include "repack.h"
 
 namespace backfill {
 namespace {
 
-enum class Isa { Scalar, Avx2, Avx512 };
+enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2 };
 
-Isa detect_isa() {
+// The best kernels this CPU runs.
+Isa cpu_isa() {
   Isa best = Isa::Scalar;
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
@@ -23,31 +27,55 @@ Isa detect_isa() {
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     best = Isa::Avx512;
 #endif
-  // BACKFILL_ISA lowers the choice (never raises it past what the CPU has): tests run every path.
-  if (const char* forced = std::getenv("BACKFILL_ISA")) {
-    if (std::strcmp(forced, "scalar") == 0) best = Isa::Scalar;
-    else if (std::strcmp(forced, "avx2") == 0 && best == Isa::Avx512) best = Isa::Avx2;
-  }
   return best;
 }
 
-Isa isa() {
-  static const Isa chosen = detect_isa();
-  return chosen;
+bool parse_isa(const char* name, Isa* out) {
+  if (std::strcmp(name, "scalar") == 0) *out = Isa::Scalar;
+  else if (std::strcmp(name, "avx2") == 0) *out = Isa::Avx2;
+  else if (std::strcmp(name, "avx512") == 0) *out = Isa::Avx512;
+  else return false;
+  return true;
 }
 
-QgemmFn pick(QType t) {
-  switch (isa()) {
-    case Isa::Avx512:
-      if (qgemm_avx512_supports(t)) return qgemm_avx512;
-      [[fallthrough]];
-    case Isa::Avx2:
-      if (qgemm_avx2_supports(t)) return qgemm_avx2;
-      [[fallthrough]];
-    case Isa::Scalar:
-      break;
+// BACKFILL_ISA lowers the choice (never raises it past what the CPU has): tests run every path.
+Isa initial_isa() {
+  const Isa best = cpu_isa();
+  Isa forced;
+  if (const char* env = std::getenv("BACKFILL_ISA"); env != nullptr && parse_isa(env, &forced) && forced < best)
+    return forced;
+  return best;
+}
+
+std::atomic<int> g_isa{-1};  // Isa, or -1 before the first use
+
+Isa isa() {
+  int v = g_isa.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = static_cast<int>(initial_isa());
+    g_isa.store(v, std::memory_order_relaxed);
   }
-  return qgemm_ref;
+  return static_cast<Isa>(v);
+}
+
+using JobFn = void (*)(const TileJob&);
+
+JobFn job_fn() {
+  switch (isa()) {
+    case Isa::Avx512: return packed_gemm_avx512;
+    case Isa::Avx2: return packed_gemm_avx2;
+    case Isa::Scalar: break;
+  }
+  return packed_gemm_scalar;
+}
+
+// This thread's kernel scratch, 64-byte aligned, grown on demand and kept between calls.
+float* thread_scratch(int64_t floats) {
+  thread_local std::vector<float> buf;
+  const size_t need = static_cast<size_t>(floats) + 16;
+  if (buf.size() < need) buf.assign(need, 0.0f);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<float*>((p + 63) & ~uintptr_t{63});
 }
 
 }  // namespace
@@ -61,45 +89,46 @@ const char* active_isa() {
   return "scalar";
 }
 
-// NOTE: placeholder packed layout = the GGUF layout itself, run by the reference kernels.
-int64_t packed_bytes(QType type, int64_t rows, int64_t cols) {
-  return rows * (cols / block_elems(type)) * block_bytes(type);
+bool set_active_isa(const char* name) {
+  Isa want;
+  if (!parse_isa(name, &want) || want > cpu_isa()) return false;
+  g_isa.store(static_cast<int>(want), std::memory_order_relaxed);
+  return true;
 }
+
+int64_t packed_bytes(QType type, int64_t rows, int64_t cols) { return num_tiles(rows) * tile_bytes(type, cols); }
 
 void repack(const QMatrix& raw, uint8_t* out) {
-  std::memcpy(out, raw.data, static_cast<size_t>(raw.rows * raw.row_bytes));
+  at::parallel_for(0, num_tiles(raw.rows), 4, [&](int64_t begin, int64_t end) { repack_tiles(raw, out, begin, end); });
 }
 
-static QMatrix as_raw(const PackedMatrix& w) {
-  return QMatrix{w.data, w.type, w.rows, w.cols, w.cols / block_elems(w.type) * block_bytes(w.type)};
-}
-
-void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& pw, const float* bias, float* y,
+void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, const float* bias, float* y,
                  int64_t ldy, bool accumulate) {
-  const QMatrix w = as_raw(pw);
-  const QgemmFn fn = pick(w.type);
-  // Output rows are split between threads in multiples of 16 (a whole SIMD tile each).
-  constexpr int64_t kTile = 16;
-  const int64_t num_tiles = (w.rows + kTile - 1) / kTile;
-  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
-    const int64_t n0 = begin * kTile, n1 = std::min(end * kTile, w.rows);
-    if (!accumulate) {
-      fn(x, m, ldx, w, bias, y, ldy, n0, n1);
-      return;
-    }
-    std::vector<float> tmp(static_cast<size_t>(m * (n1 - n0)));
-    fn(x, m, ldx, QMatrix{w.data + n0 * w.row_bytes, w.type, n1 - n0, w.cols, w.row_bytes},
-       bias == nullptr ? nullptr : bias + n0, tmp.data(), n1 - n0, 0, n1 - n0);
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t n = n0; n < n1; ++n) y[i * ldy + n] += tmp[static_cast<size_t>(i * (n1 - n0) + n - n0)];
+  if (m <= 0 || w.rows <= 0) return;
+  const JobFn fn = job_fn();
+  // Threads take contiguous ranges of whole tiles: no output is shared, none depends on the split.
+  // A range is worth a thread from ~100k weight-uses on (dequantization counted as two rows).
+  const int64_t tile_work = kTileRows * w.cols * (m + 2);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / tile_work);
+  at::parallel_for(0, num_tiles(w.rows), grain, [&](int64_t begin, int64_t end) {
+    const TileJob job{x,    m,   ldx,        w.data, w.type, w.rows, w.cols,
+                      bias, y,   ldy,        accumulate,     begin,  end,
+                      thread_scratch(job_scratch_floats(w.cols))};
+    fn(job);
   });
 }
 
-void packed_dequantize_rows(const PackedMatrix& pw, const int64_t* rows, int64_t num_rows, float* out,
+void packed_dequantize_rows(const PackedMatrix& w, const int64_t* rows, int64_t num_rows, float* out,
                             int64_t ld_out) {
-  const QMatrix w = as_raw(pw);
+  const QMatrix one_row{nullptr, w.type, 1, w.cols, w.cols / block_elems(w.type) * block_bytes(w.type)};
   at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) dequantize_row_ref(w, rows[i], out + i * ld_out);
+    std::vector<uint8_t> raw(static_cast<size_t>(one_row.row_bytes));  // [row_bytes] one GGUF row
+    QMatrix q = one_row;
+    q.data = raw.data();
+    for (int64_t i = begin; i < end; ++i) {
+      unpack_row(w, rows[i], raw.data());
+      dequantize_row_ref(q, 0, out + i * ld_out);
+    }
   });
 }
 

@@ -17,6 +17,9 @@ void qgemm_ref(const float* x, int64_t m, int64_t ldx, const QMatrix& w, const f
 // Which instruction set the fast kernels use on this CPU: "avx512", "avx2" or "scalar"
 // (detected once at run time; BACKFILL_ISA=avx2|scalar forces a lower one, for tests).
 const char* active_isa();
+// Switch the fast kernels to "avx512", "avx2" or "scalar" from now on (tests, benchmarks); false
+// (and no change) for an unknown name or one this CPU cannot run. Not for use mid-GEMM.
+bool set_active_isa(const char* name);
 
 // ---------------------------------------------------------------------------------------------
 // The fast path: weights re-laid-out once at load time ("packed": same blocks, same bits per

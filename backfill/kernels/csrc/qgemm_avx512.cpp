@@ -1,17 +1,75 @@
-// AVX-512 (F, BW, VL, DQ) kernels (Skylake-X, Ice Lake, Zen 4 and later). See isa.h.
+// AVX-512 (F, BW, VL, DQ) kernels (Skylake-X, Ice Lake, Zen 4 and later): VF = one zmm. See isa.h
+// and qgemm_kernels.h.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 #include <immintrin.h>
 
 #include "isa.h"
-#include "qgemm.h"
+
+namespace backfill {
+namespace {
+
+#define AI inline __attribute__((always_inline))
+
+struct VF {
+  __m512 v;
+};
+struct VI {
+  __m512i v;
+};
+
+AI __mmask16 first_n(int n) { return static_cast<__mmask16>((1u << n) - 1); }
+AI VF vf_zero() { return VF{_mm512_setzero_ps()}; }
+AI VF vf_set1(float f) { return VF{_mm512_set1_ps(f)}; }
+AI VF vf_load(const float* p) { return VF{_mm512_loadu_ps(p)}; }
+AI void vf_store(float* p, VF a) { _mm512_storeu_ps(p, a.v); }
+AI VF vf_load_n(const float* p, int n) { return VF{_mm512_maskz_loadu_ps(first_n(n), p)}; }
+AI void vf_store_n(float* p, VF a, int n) { _mm512_mask_storeu_ps(p, first_n(n), a.v); }
+AI VF vf_bcast(const float* p) { return VF{_mm512_set1_ps(*p)}; }
+AI VF vf_fma(VF a, VF b, VF c) { return VF{_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+AI VF vf_mul(VF a, VF b) { return VF{_mm512_mul_ps(a.v, b.v)}; }
+AI VF vf_add(VF a, VF b) { return VF{_mm512_add_ps(a.v, b.v)}; }
+AI VF vf_load_f16(const uint8_t* p) {
+  return VF{_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+AI VI vi_load_u8(const uint8_t* p) {
+  return VI{_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+}
+AI VI vi_load_s8(const uint8_t* p) {
+  return VI{_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+}
+AI VI vi_and(VI a, int m) { return VI{_mm512_and_si512(a.v, _mm512_set1_epi32(m))}; }
+template <int S>
+AI VI vi_srl(VI a) { return VI{_mm512_srli_epi32(a.v, S)}; }
+template <int S>
+AI VI vi_sll(VI a) { return VI{_mm512_slli_epi32(a.v, S)}; }
+// a | (b & m) in one vpternlogd (truth table 0xF8 over a, b, m).
+AI VI vi_or_and(VI a, VI b, int m) { return VI{_mm512_ternarylogic_epi32(a.v, b.v, _mm512_set1_epi32(m), 0xF8)}; }
+AI VF vi_to_f(VI a) { return VF{_mm512_cvtepi32_ps(a.v)}; }
+// float(v & 15) as a table lookup: vpermps reads only the low 4 bits of each index, so this is
+// one shuffle instead of an and plus a conversion (the same exact values).
+AI VF vf_nib_lo(VI a) {
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return VF{_mm512_permutexvar_ps(a.v, table)};
+}
+AI VF vf_nib_hi(VI a) { return vi_to_f(vi_srl<4>(a)); }
+
+#undef AI
+
+// Blocking (32 zmm): fused MR x NT accumulators + NT weights + scales stay in registers;
+// panels run 12 x 32 (24 accumulators, 2 weight vectors, broadcasts).
+constexpr int kFusedMaxM = 8;
+constexpr int fused_nt(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 3 : 2; }
+constexpr int kPanelNT = 2;
+constexpr int kPanelMaxMR = 12;
+constexpr int64_t kPanelKc = 192;  // 2 panels of 12 KB
+
+}  // namespace
+}  // namespace backfill
+
+#include "qgemm_kernels.h"
 
 namespace backfill {
 
-bool qgemm_avx512_supports(QType) { return false; }  // TODO: vectorized kernels
-
-void qgemm_avx512(const float* x, int64_t m, int64_t ldx, const QMatrix& w, const float* bias, float* y,
-                int64_t ldy, int64_t n_begin, int64_t n_end) {
-  qgemm_ref(x, m, ldx, w, bias, y, ldy, n_begin, n_end);
-}
+void packed_gemm_avx512(const TileJob& job) { run_packed_gemm(job); }
 
 }  // namespace backfill

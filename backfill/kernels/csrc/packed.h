@@ -1,0 +1,81 @@
+// The packed weight layout the fast kernels read (private to the kernels; see qgemm.h).
+// No torch or STL headers: the ISA translation units include this file (see isa.h).
+//
+// A matrix W [N, K] is cut into tiles of 16 output rows (N padded with all-zero rows to a
+// multiple of 16). A tile holds its 16 rows' blocks along K one after another; a "tile block"
+// (16 rows x one GGUF block) holds the same fields as the 16 raw blocks (same bytes, so the same
+// bits per weight as the file), transposed so that one field of the 16 rows is 16 adjacent
+// values: a 16-byte load followed by a byte -> int32 widening gives one SIMD value per row.
+//
+//   packed = [tile 0][tile 1]...            tile = [block 0][block 1]...[block K/bs - 1]
+//   tile block, by type (offsets in bytes; "[16] h" = 16 fp16 halves, one per row r;
+//   "group g" = 16 bytes, byte r belongs to row r):
+//   Q4_0  288 B  d[16] h @0 | qs: 16 groups @32, group g byte r = q[r][2g] | q[r][2g+1] << 4
+//   Q4_1  320 B  d[16] h @0 | m[16] h @32 | qs: 16 groups @64 (as Q4_0)
+//   Q8_0  544 B  d[16] h @0 | qs: 32 groups @32, group k byte r = q[r][k] (int8)
+//   Q4_K 2304 B  d[16] h @0 | dmin[16] h @32 | scales: 12 groups @64, group j byte r = the raw
+//                scales[j] of row r (6-bit sc/m still packed as ggml packs them) |
+//                qs: 128 groups @256, group g byte r = q[r][2g] | q[r][2g+1] << 4
+//   Q6_K 3360 B  d[16] h @0 | scales: 16 groups @32 (int8, one per 16 elements) |
+//                ql: 128 groups @288, byte r = lo4(q[r][2g]) | lo4(q[r][2g+1]) << 4 |
+//                qh: 64 groups @2336, byte r = sum_i hi2(q[r][4h + i]) << 2i   (q 6-bit, 0..63)
+//   F16     32 B per k: [16] h (tile = [K][16] fp16)    F32  64 B per k (tile = [K][16] fp32)
+// q[r][k] is the element's integer code (k within the block), exactly as ggml defines it.
+//
+// Bits per weight: Q4_0 4.5, Q4_1 5, Q8_0 8.5, Q4_K 4.5, Q6_K 6.5625, F16 16, F32 32 (the file's).
+#pragma once
+
+#include "qtypes.h"
+
+namespace backfill {
+
+constexpr int64_t kTileRows = 16;
+
+// Bytes of one tile block (16 rows x block_elems(type) columns): exactly 16 raw blocks.
+inline int64_t tile_block_bytes(QType t) { return kTileRows * block_bytes(t); }
+// Bytes of one whole tile (16 rows x cols).
+inline int64_t tile_bytes(QType t, int64_t cols) { return cols / block_elems(t) * tile_block_bytes(t); }
+inline int64_t num_tiles(int64_t rows) { return (rows + kTileRows - 1) / kTileRows; }
+
+// Field offsets inside a tile block (see the table above).
+namespace tile_off {
+constexpr int64_t kQ4_0Qs = 32;
+constexpr int64_t kQ4_1M = 32, kQ4_1Qs = 64;
+constexpr int64_t kQ8_0Qs = 32;
+constexpr int64_t kQ4_KDmin = 32, kQ4_KScales = 64, kQ4_KQs = 256;
+constexpr int64_t kQ6_KScales = 32, kQ6_KQl = 288, kQ6_KQh = 2336;
+}  // namespace tile_off
+
+// One job of the packed GEMM: y[:, 16*tile_begin ..) for output tiles [tile_begin, tile_end),
+// single-threaded (qgemm.cpp splits the tiles between threads). y[i, n] = (sum_k x[i, k] *
+// w[n, k] + bias[n]) (+ y[i, n] if accumulate), the sum one fp32 FMA chain over k = 0, 1, ...,
+// K - 1 (from +0) on the weights exactly as dequantize_row_ref gives them: every ISA and every
+// blocking reproduces it bit for bit.
+struct TileJob {
+  const float* x;  // [m, K], row stride ldx
+  int64_t m;
+  int64_t ldx;
+  const uint8_t* w;  // packed [num_tiles(N)] tiles
+  QType type;
+  int64_t rows;  // N (columns of y past N are never written)
+  int64_t cols;  // K
+  const float* bias;  // [N] or null
+  float* y;  // [m, N], row stride ldy
+  int64_t ldy;
+  bool accumulate;
+  int64_t tile_begin;
+  int64_t tile_end;
+  float* scratch;  // kJobScratchFloats floats, 64-byte aligned, private to this job
+};
+
+// A job's scratch: dequantized fp32 panels (<= 2048 columns x 16 rows), partial sums of up to
+// kScratchPartRows rows x 4 tiles, and x packed (~512 KB, at least 16 rows of K).
+constexpr int64_t kScratchPanelFloats = 2048 * kTileRows;
+constexpr int64_t kScratchPartRows = 1024;
+constexpr int64_t kScratchPartFloats = kScratchPartRows * 4 * kTileRows;
+constexpr int64_t kScratchXFloats = 512 * 1024 / 4;
+inline int64_t job_scratch_floats(int64_t cols) {
+  return kScratchPanelFloats + kScratchPartFloats + (kScratchXFloats > 16 * cols ? kScratchXFloats : 16 * cols);
+}
+
+}  // namespace backfill

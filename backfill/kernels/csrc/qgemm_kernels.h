@@ -1,0 +1,402 @@
+// The packed GEMM kernels, written once over 16-lane vector primitives and compiled by each ISA
+// unit (qgemm_avx512.cpp: VF = one zmm; qgemm_avx2.cpp: VF = two ymm), which defines before
+// including this file:
+//   VF (16 floats), VI (16 int32): vf_zero, vf_set1, vf_load, vf_store, vf_load_n, vf_store_n,
+//   vf_bcast, vf_fma (a * b + c, one rounding), vf_mul, vf_add, vf_load_f16 (16 halves),
+//   vi_load_u8 / vi_load_s8 (16 bytes widened), vi_and, vi_srl<s>, vi_sll<s>, vi_or_and
+//   (a | (b & mask)), vi_to_f, vf_nib_lo (float(v & 15)), vf_nib_hi (float(v >> 4), v < 256);
+//   and the blocking constants: kFusedMaxM, fused_nt(mr), kPanelNT, kPanelMaxMR.
+// Everything here has internal linkage: each ISA unit gets its own copy (see isa.h).
+//
+// Numbers (the invariant every path keeps, see TileJob): lanes run across 16 output rows, so
+// y[i, n] is one FMA chain over k = 0 .. K-1 in order, and w[n, k] is the reference's value:
+// every type's dequantization is "exact product, one rounding" (fp16 scale x small integer
+// code fits in fp32's 24 bits), so fma(q, d, m) == ref's q * d + m bit for bit. Blocking (how
+// many rows / tiles per kernel call, panels or registers, threads) never changes a chain.
+#pragma once
+
+#define BF_AI inline __attribute__((always_inline))
+#define BF_UNROLL _Pragma("GCC unroll 16")
+
+namespace backfill {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Weight producers, one per type: for_each<NT>(tiles, k0, kn, fn) calls fn(k, w) for k = k0,
+// k0 + 1, .., k0 + kn - 1 in order, w[t] the 16 weights (fp32) of tiles[t] at column k.
+// k0 and kn are multiples of 32 (kn of 1 for F16 / F32).
+
+struct DqF32 {
+  static constexpr bool kIsPanel = true;  // a tile is already a [K][16] fp32 panel
+  template <int NT, class Fn>
+  BF_AI static void for_each(const uint8_t* const* tiles, int64_t k0, int64_t kn, Fn&& fn) {
+    for (int64_t k = k0; k < k0 + kn; ++k) {
+      VF w[NT];
+      BF_UNROLL for (int t = 0; t < NT; ++t) w[t] = vf_load(reinterpret_cast<const float*>(tiles[t]) + 16 * k);
+      fn(k, w);
+    }
+  }
+};
+
+struct DqF16 {
+  static constexpr bool kIsPanel = false;
+  template <int NT, class Fn>
+  BF_AI static void for_each(const uint8_t* const* tiles, int64_t k0, int64_t kn, Fn&& fn) {
+    for (int64_t k = k0; k < k0 + kn; ++k) {
+      VF w[NT];
+      BF_UNROLL for (int t = 0; t < NT; ++t) w[t] = vf_load_f16(tiles[t] + 32 * k);
+      fn(k, w);
+    }
+  }
+};
+
+// Q4_0 (w = (q - 8) d = fma(q, d, -8 d)) and Q4_1 (w = q d + m = fma(q, d, m)): one tile block
+// per 32 columns, byte r of group g holding columns 2g (low nibble) and 2g + 1 of row r.
+template <bool kHasMin>
+struct DqQ4 {
+  static constexpr bool kIsPanel = false;
+  static constexpr int64_t kBlockBytes = kHasMin ? 320 : 288;
+  static constexpr int64_t kQs = kHasMin ? tile_off::kQ4_1Qs : tile_off::kQ4_0Qs;
+  template <int NT, class Fn>
+  BF_AI static void for_each(const uint8_t* const* tiles, int64_t k0, int64_t kn, Fn&& fn) {
+    for (int64_t b = k0 / QK; b < (k0 + kn) / QK; ++b) {
+      VF d[NT], m[NT];
+      const uint8_t* qs[NT];
+      BF_UNROLL for (int t = 0; t < NT; ++t) {
+        const uint8_t* blk = tiles[t] + b * kBlockBytes;
+        d[t] = vf_load_f16(blk);
+        m[t] = kHasMin ? vf_load_f16(blk + tile_off::kQ4_1M) : vf_mul(d[t], vf_set1(-8.0f));
+        qs[t] = blk + kQs;
+      }
+      for (int g = 0; g < QK / 2; ++g) {
+        VF w0[NT], w1[NT];
+        BF_UNROLL for (int t = 0; t < NT; ++t) {
+          const VI q = vi_load_u8(qs[t] + 16 * g);
+          w0[t] = vf_fma(vf_nib_lo(q), d[t], m[t]);
+          w1[t] = vf_fma(vf_nib_hi(q), d[t], m[t]);
+        }
+        fn(b * QK + 2 * g, w0);
+        fn(b * QK + 2 * g + 1, w1);
+      }
+    }
+  }
+};
+
+// Q8_0: w = q d (int8 q).
+struct DqQ8_0 {
+  static constexpr bool kIsPanel = false;
+  template <int NT, class Fn>
+  BF_AI static void for_each(const uint8_t* const* tiles, int64_t k0, int64_t kn, Fn&& fn) {
+    for (int64_t b = k0 / QK; b < (k0 + kn) / QK; ++b) {
+      VF d[NT];
+      const uint8_t* qs[NT];
+      BF_UNROLL for (int t = 0; t < NT; ++t) {
+        const uint8_t* blk = tiles[t] + b * 544;
+        d[t] = vf_load_f16(blk);
+        qs[t] = blk + tile_off::kQ8_0Qs;
+      }
+      for (int k = 0; k < QK; ++k) {
+        VF w[NT];
+        BF_UNROLL for (int t = 0; t < NT; ++t) w[t] = vf_mul(vi_to_f(vi_load_s8(qs[t] + 16 * k)), d[t]);
+        fn(b * QK + k, w);
+      }
+    }
+  }
+};
+
+// Q4_K: per 32-column sub-block j, w = (d sc_j) q - dmin m_j = fma(q, d sc_j, -(dmin m_j)), the
+// 6-bit sc_j / m_j unpacked from the 12 scale bytes as ggml's get_scale_min_k4 does.
+struct DqQ4_K {
+  static constexpr bool kIsPanel = false;
+  template <int NT, class Fn>
+  BF_AI static void for_each(const uint8_t* const* tiles, int64_t k0, int64_t kn, Fn&& fn) {
+    for (int64_t s = k0 / 32; s < (k0 + kn) / 32; ++s) {
+      const int64_t b = s / 8;
+      const int j = static_cast<int>(s % 8);
+      VF d1[NT], m1[NT];
+      const uint8_t* qs[NT];
+      BF_UNROLL for (int t = 0; t < NT; ++t) {
+        const uint8_t* blk = tiles[t] + b * 2304;
+        const uint8_t* sc = blk + tile_off::kQ4_KScales;  // [12][16] bytes
+        VI scj, mj;
+        if (j < 4) {
+          scj = vi_and(vi_load_u8(sc + 16 * j), 63);
+          mj = vi_and(vi_load_u8(sc + 16 * (j + 4)), 63);
+        } else {
+          const VI hi = vi_load_u8(sc + 16 * (j + 4));
+          scj = vi_or_and(vi_sll<4>(vi_srl<6>(vi_load_u8(sc + 16 * (j - 4)))), hi, 0xF);
+          mj = vi_or_and(vi_srl<4>(hi), vi_sll<4>(vi_srl<6>(vi_load_u8(sc + 16 * j))), 0x30);
+        }
+        d1[t] = vf_mul(vf_load_f16(blk), vi_to_f(scj));
+        m1[t] = vf_mul(vf_load_f16(blk + tile_off::kQ4_KDmin), vf_mul(vi_to_f(mj), vf_set1(-1.0f)));
+        qs[t] = blk + tile_off::kQ4_KQs + 16 * 16 * j;
+      }
+      for (int g = 0; g < 16; ++g) {
+        VF w0[NT], w1[NT];
+        BF_UNROLL for (int t = 0; t < NT; ++t) {
+          const VI q = vi_load_u8(qs[t] + 16 * g);
+          w0[t] = vf_fma(vf_nib_lo(q), d1[t], m1[t]);
+          w1[t] = vf_fma(vf_nib_hi(q), d1[t], m1[t]);
+        }
+        fn(s * 32 + 2 * g, w0);
+        fn(s * 32 + 2 * g + 1, w1);
+      }
+    }
+  }
+};
+
+// Q6_K: per 16-column sub-block, w = (d sc) (q - 32) = fma(q, d sc, -32 d sc), q 6-bit from a
+// low nibble (ql) and two high bits (qh).
+struct DqQ6_K {
+  static constexpr bool kIsPanel = false;
+  template <int NT, class Fn>
+  BF_AI static void for_each(const uint8_t* const* tiles, int64_t k0, int64_t kn, Fn&& fn) {
+    for (int64_t s = k0 / 16; s < (k0 + kn) / 16; ++s) {
+      const int64_t b = s / 16;
+      const int j = static_cast<int>(s % 16);  // scale index; columns 16 j .. 16 j + 15
+      VF ds[NT], nds[NT];
+      const uint8_t *ql[NT], *qh[NT];
+      BF_UNROLL for (int t = 0; t < NT; ++t) {
+        const uint8_t* blk = tiles[t] + b * 3360;
+        ds[t] = vf_mul(vf_load_f16(blk), vi_to_f(vi_load_s8(blk + tile_off::kQ6_KScales + 16 * j)));
+        nds[t] = vf_mul(ds[t], vf_set1(-32.0f));
+        ql[t] = blk + tile_off::kQ6_KQl + 16 * 8 * j;
+        qh[t] = blk + tile_off::kQ6_KQh + 16 * 4 * j;
+      }
+      for (int u = 0; u < 4; ++u) {  // columns 16 j + 4 u .. + 3
+        VF w0[NT], w1[NT], w2[NT], w3[NT];
+        BF_UNROLL for (int t = 0; t < NT; ++t) {
+          const VI l0 = vi_load_u8(ql[t] + 16 * (2 * u)), l1 = vi_load_u8(ql[t] + 16 * (2 * u + 1));
+          const VI h = vi_load_u8(qh[t] + 16 * u);
+          w0[t] = vf_fma(vi_to_f(vi_or_and(vi_and(l0, 0xF), vi_sll<4>(h), 0x30)), ds[t], nds[t]);
+          w1[t] = vf_fma(vi_to_f(vi_or_and(vi_srl<4>(l0), vi_sll<2>(h), 0x30)), ds[t], nds[t]);
+          w2[t] = vf_fma(vi_to_f(vi_or_and(vi_and(l1, 0xF), h, 0x30)), ds[t], nds[t]);
+          w3[t] = vf_fma(vi_to_f(vi_or_and(vi_srl<4>(l1), vi_srl<2>(h), 0x30)), ds[t], nds[t]);
+        }
+        const int64_t k = s * 16 + 4 * u;
+        fn(k, w0);
+        fn(k + 1, w1);
+        fn(k + 2, w2);
+        fn(k + 3, w3);
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Epilogue: y[row0 + i, 16 (tile0 + t) ..] = acc (+ bias) (+ y if accumulate), the last tile cut
+// at N.
+
+template <int MR, int NT>
+BF_AI void store_acc(const VF (&acc)[MR][NT], const TileJob& job, int64_t row0, int64_t tile0) {
+  BF_UNROLL for (int t = 0; t < NT; ++t) {
+    const int64_t n0 = (tile0 + t) * kTileRows;
+    const int64_t cnt = job.rows - n0 < kTileRows ? job.rows - n0 : kTileRows;
+    if (cnt <= 0) continue;
+    const int c = static_cast<int>(cnt);
+    VF bias = vf_zero();
+    if (job.bias != nullptr) bias = c == kTileRows ? vf_load(job.bias + n0) : vf_load_n(job.bias + n0, c);
+    BF_UNROLL for (int i = 0; i < MR; ++i) {
+      VF v = acc[i][t];
+      if (job.bias != nullptr) v = vf_add(v, bias);
+      float* yp = job.y + (row0 + i) * job.ldy + n0;
+      if (c == kTileRows) {
+        if (job.accumulate) v = vf_add(vf_load(yp), v);
+        vf_store(yp, v);
+      } else {
+        if (job.accumulate) v = vf_add(vf_load_n(yp, c), v);
+        vf_store_n(yp, v, c);
+      }
+    }
+  }
+}
+
+// Rows [row0, row0 + mr) of x packed column by column, out [K][mr]: the kernels' broadcasts then
+// walk one pointer (the row pointers would not fit the general registers beside the rest).
+inline void pack_x(const TileJob& job, int64_t row0, int mr, float* out) {
+  for (int i = 0; i < mr; ++i) {
+    const float* xi = job.x + (row0 + i) * job.ldx;
+    for (int64_t k = 0; k < job.cols; ++k) out[k * mr + i] = xi[k];
+  }
+}
+
+// Size of block b when `rows` are cut into num_blocks blocks differing by at most one row.
+inline int block_rows(int64_t rows, int64_t num_blocks, int64_t b) {
+  return static_cast<int>(rows / num_blocks + (b < rows % num_blocks ? 1 : 0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fused kernel (few rows): dequantize NT tiles straight into registers and FMA them into MR x NT
+// accumulators; the weights are read once per call, from memory. NT tiles give NT x MR
+// independent chains, enough to hide the FMA latency at MR = 1.
+
+template <class Dq, int MR, int NT>
+__attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, int64_t tile0) {
+  const int64_t tb = tile_bytes(job.type, job.cols);
+  const uint8_t* tiles[NT];
+  BF_UNROLL for (int t = 0; t < NT; ++t) tiles[t] = job.w + (tile0 + t) * tb;
+  VF acc[MR][NT];
+  BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) acc[i][t] = vf_zero();
+  Dq::template for_each<NT>(tiles, 0, job.cols, [&](int64_t k, const VF* w) __attribute__((always_inline)) {
+    BF_UNROLL for (int i = 0; i < MR; ++i) {
+      const VF xb = vf_bcast(xp + k * MR + i);
+      BF_UNROLL for (int t = 0; t < NT; ++t) acc[i][t] = vf_fma(xb, w[t], acc[i][t]);
+    }
+  });
+  store_acc<MR, NT>(acc, job, 0, tile0);
+}
+
+// Tiles [tile_begin, tile_end) for rows [row0, row0 + MR): groups of NT tiles, the rest in one
+// smaller group.
+template <class Dq, int MR, int NT>
+void fused_tiles(const TileJob& job, const float* xp, int64_t tile_begin, int64_t tile_end) {
+  int64_t tile = tile_begin;
+  for (; tile + NT <= tile_end; tile += NT) fused_block<Dq, MR, NT>(job, xp, tile);
+  if constexpr (NT > 1) {
+    if (tile < tile_end) fused_tiles<Dq, MR, NT - 1>(job, xp, tile, tile_end);
+  }
+}
+
+// All job.m rows (<= kFusedMaxM) at once; xp = x packed [K][m].
+template <class Dq, int MR = 1>
+void fused_rows(const TileJob& job, int mr, const float* xp) {
+  if constexpr (MR < kFusedMaxM) {
+    if (mr != MR) return fused_rows<Dq, MR + 1>(job, mr, xp);
+  }
+  fused_tiles<Dq, MR, fused_nt(MR)>(job, xp, job.tile_begin, job.tile_end);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Panel kernel (more rows): NT tiles dequantized into fp32 panels [kc][16] a column chunk at a
+// time (kPanelKc columns: the panels stay in L1), then every block of MR <= kPanelMaxMR rows
+// runs an MR x NT register-blocked FMA loop over the chunk (broadcast x, 16-wide weights), so
+// the dequantization is shared by all the rows. Between chunks each block's accumulators wait
+// in `part` (fp32, stored and reloaded exactly: the chains are the same as unchunked).
+
+static_assert(kPanelNT * kPanelKc <= kScratchPanelFloats / kTileRows, "panels exceed the job scratch");
+
+template <int MR, int NT>
+__attribute__((noinline)) void panel_block(const TileJob& job, int64_t row0, const float* xp, int64_t tile0,
+                                           const float* const* panels, int64_t k0, int64_t kn, float* part,
+                                           bool first, bool last) {
+  xp += k0 * MR;  // x packed [K][MR]
+  const float* p[NT];
+  BF_UNROLL for (int t = 0; t < NT; ++t) p[t] = panels[t];
+  VF acc[MR][NT];
+  BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) {
+    acc[i][t] = first ? vf_zero() : vf_load(part + (i * NT + t) * kTileRows);
+  }
+  for (int64_t k = 0; k < kn; ++k) {
+    VF w[NT];
+    BF_UNROLL for (int t = 0; t < NT; ++t) w[t] = vf_load(p[t] + 16 * k);
+    BF_UNROLL for (int i = 0; i < MR; ++i) {
+      const VF xb = vf_bcast(xp + k * MR + i);
+      BF_UNROLL for (int t = 0; t < NT; ++t) acc[i][t] = vf_fma(xb, w[t], acc[i][t]);
+    }
+  }
+  if (last) {
+    store_acc<MR, NT>(acc, job, row0, tile0);
+  } else {
+    BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) {
+      vf_store(part + (i * NT + t) * kTileRows, acc[i][t]);
+    }
+  }
+}
+
+template <int NT, int MR = 1>
+void panel_rows(int mr, const TileJob& job, int64_t row0, const float* xp, int64_t tile0, const float* const* panels,
+                int64_t k0, int64_t kn, float* part, bool first, bool last) {
+  if constexpr (MR < kPanelMaxMR) {
+    if (mr != MR) return panel_rows<NT, MR + 1>(mr, job, row0, xp, tile0, panels, k0, kn, part, first, last);
+  }
+  panel_block<MR, NT>(job, row0, xp, tile0, panels, k0, kn, part, first, last);
+}
+
+// Columns [k0, k0 + kn) of one tile into panel [kn][16].
+template <class Dq>
+__attribute__((noinline)) void dequant_panel(const uint8_t* tile, int64_t k0, int64_t kn, float* panel) {
+  const uint8_t* tiles[1] = {tile};
+  Dq::template for_each<1>(tiles, k0, kn, [&](int64_t k, const VF* w) __attribute__((always_inline)) {
+    vf_store(panel + 16 * (k - k0), w[0]);
+  });
+}
+
+// Rows [row_begin, row_end) x tiles [tile0, tile0 + NT), in balanced blocks of <= kPanelMaxMR rows
+// (row_blocks(...)); xp = those rows packed by pack_x.
+template <class Dq, int NT>
+void panel_group(const TileJob& job, int64_t row_begin, int64_t row_end, const float* xp, int64_t tile0) {
+  const int64_t tb = tile_bytes(job.type, job.cols);
+  float* part = job.scratch + kScratchPanelFloats;  // [rows][NT][16] partial sums
+  const int64_t rows = row_end - row_begin;
+  const int64_t num_blocks = (rows + kPanelMaxMR - 1) / kPanelMaxMR;
+  for (int64_t k0 = 0; k0 < job.cols; k0 += kPanelKc) {
+    const int64_t kn = job.cols - k0 < kPanelKc ? job.cols - k0 : kPanelKc;
+    const float* panels[NT];
+    BF_UNROLL for (int t = 0; t < NT; ++t) {
+      const uint8_t* tile = job.w + (tile0 + t) * tb;
+      if constexpr (Dq::kIsPanel) {
+        panels[t] = reinterpret_cast<const float*>(tile) + kTileRows * k0;
+      } else {
+        float* panel = job.scratch + t * kTileRows * kPanelKc;  // [kn][16]
+        dequant_panel<Dq>(tile, k0, kn, panel);
+        panels[t] = panel;
+      }
+    }
+    int64_t row = row_begin;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const int mr = block_rows(rows, num_blocks, b);
+      panel_rows<NT>(mr, job, row, xp + (row - row_begin) * job.cols, tile0, panels, k0, kn,
+                     part + (row - row_begin) * NT * kTileRows, k0 == 0, k0 + kn == job.cols);
+      row += mr;
+    }
+  }
+}
+
+template <class Dq>
+void panel_path(const TileJob& job, float* xp) {
+  // Rows in chunks whose x slice (~512 KB) stays in L2 while all the job's tiles pass over it;
+  // each chunk dequantizes the weights again (a few % of the FMAs at these sizes).
+  int64_t chunk = kScratchXFloats / job.cols;
+  chunk = chunk < kPanelMaxMR ? kPanelMaxMR : chunk > kScratchPartRows ? kScratchPartRows : chunk;
+  for (int64_t r0 = 0; r0 < job.m; r0 += chunk) {
+    const int64_t r1 = r0 + chunk < job.m ? r0 + chunk : job.m;
+    const int64_t num_blocks = (r1 - r0 + kPanelMaxMR - 1) / kPanelMaxMR;
+    for (int64_t b = 0, row = r0; b < num_blocks; ++b) {  // block b -> xp + (row - r0) K: [K][mr]
+      const int mr = block_rows(r1 - r0, num_blocks, b);
+      pack_x(job, row, mr, xp + (row - r0) * job.cols);
+      row += mr;
+    }
+    int64_t tile = job.tile_begin;
+    for (; tile + kPanelNT <= job.tile_end; tile += kPanelNT) panel_group<Dq, kPanelNT>(job, r0, r1, xp, tile);
+    for (; tile < job.tile_end; ++tile) panel_group<Dq, 1>(job, r0, r1, xp, tile);
+  }
+}
+
+template <class Dq>
+void run_job(const TileJob& job) {
+  float* xp = job.scratch + kScratchPanelFloats + kScratchPartFloats;
+  if (job.m <= kFusedMaxM && !Dq::kIsPanel) {
+    pack_x(job, 0, static_cast<int>(job.m), xp);
+    fused_rows<Dq>(job, static_cast<int>(job.m), xp);
+  } else {
+    panel_path<Dq>(job, xp);
+  }
+}
+
+BF_AI void run_packed_gemm(const TileJob& job) {
+  switch (job.type) {
+    case QType::F32: run_job<DqF32>(job); break;
+    case QType::F16: run_job<DqF16>(job); break;
+    case QType::Q4_0: run_job<DqQ4<false>>(job); break;
+    case QType::Q4_1: run_job<DqQ4<true>>(job); break;
+    case QType::Q8_0: run_job<DqQ8_0>(job); break;
+    case QType::Q4_K: run_job<DqQ4_K>(job); break;
+    case QType::Q6_K: run_job<DqQ6_K>(job); break;
+  }
+}
+
+}  // namespace
+}  // namespace backfill
+
+#undef BF_AI
+#undef BF_UNROLL

@@ -1,0 +1,236 @@
+// The packed layout's conversions (GGUF blocks <-> tile blocks, see packed.h) and the portable
+// scalar packed GEMM: the numbers every SIMD kernel reproduces, in plain C++.
+//
+// A block is split into its integer codes (one per element: 4, 6 or 8 bits) and its other fields
+// (fp16 scales, 6-bit scale bytes, fp32/fp16 values), each moved as-is: repack is a permutation
+// of the file's bits, so unpack_row(repack(raw)) == raw and every kernel dequantizes exactly
+// the file's numbers.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+#include "repack.h"
+
+namespace backfill {
+namespace {
+
+// A non-code field of a raw block: `count` values of `size` bytes at raw_off; value j of tile
+// row r sits at packed_off + (16 j + r) * size in the tile block.
+struct Field {
+  int raw_off;
+  int count;
+  int size;
+  int packed_off;
+};
+
+// The fields of each type (at most 3), in raw-block order; {0, 0, 0, 0} ends the list.
+void fields_of(QType t, Field* f) {
+  std::memset(f, 0, 4 * sizeof(Field));
+  switch (t) {
+    case QType::F32: f[0] = {0, 1, 4, 0}; break;
+    case QType::F16: f[0] = {0, 1, 2, 0}; break;
+    case QType::Q4_0: f[0] = {0, 1, 2, 0}; break;
+    case QType::Q4_1: f[0] = {0, 1, 2, 0}; f[1] = {2, 1, 2, tile_off::kQ4_1M}; break;
+    case QType::Q8_0: f[0] = {0, 1, 2, 0}; break;
+    case QType::Q4_K:
+      f[0] = {0, 1, 2, 0};
+      f[1] = {2, 1, 2, tile_off::kQ4_KDmin};
+      f[2] = {4, 12, 1, tile_off::kQ4_KScales};
+      break;
+    case QType::Q6_K:
+      f[0] = {208, 1, 2, 0};
+      f[1] = {192, 16, 1, tile_off::kQ6_KScales};
+      break;
+  }
+}
+
+// Nibble pairs of ggml's 32-element Q4 layout: q[j] = qs[j] & 15, q[j + 16] = qs[j] >> 4.
+void q4_codes(const uint8_t* qs, uint8_t* q) {
+  for (int j = 0; j < 16; ++j) {
+    q[j] = qs[j] & 0xF;
+    q[j + 16] = qs[j] >> 4;
+  }
+}
+void q4_put(const uint8_t* q, uint8_t* qs) {
+  for (int j = 0; j < 16; ++j) qs[j] = static_cast<uint8_t>(q[j] | q[j + 16] << 4);
+}
+
+// Integer codes q[0 .. block_elems) of one raw block (none for F32 / F16).
+void raw_codes(QType t, const uint8_t* b, uint8_t* q) {
+  switch (t) {
+    case QType::F32: case QType::F16: break;
+    case QType::Q4_0: q4_codes(b + 2, q); break;
+    case QType::Q4_1: q4_codes(b + 4, q); break;
+    case QType::Q8_0: std::memcpy(q, b + 2, QK); break;
+    case QType::Q4_K:  // 64-element chunks: q[64c + l] = qs[32c + l] & 15, q[64c + 32 + l] = qs[32c + l] >> 4
+      for (int c = 0; c < 4; ++c)
+        for (int l = 0; l < 32; ++l) {
+          q[64 * c + l] = b[16 + 32 * c + l] & 0xF;
+          q[64 * c + 32 + l] = b[16 + 32 * c + l] >> 4;
+        }
+      break;
+    case QType::Q6_K:  // ggml's dequantize_row_q6_K index map, 6-bit codes 0..63
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = b + 64 * h;
+        const uint8_t* qh = b + 128 + 32 * h;
+        uint8_t* o = q + 128 * h;
+        for (int l = 0; l < 32; ++l) {
+          o[l] = static_cast<uint8_t>((ql[l] & 0xF) | ((qh[l] >> 0) & 3) << 4);
+          o[l + 32] = static_cast<uint8_t>((ql[l + 32] & 0xF) | ((qh[l] >> 2) & 3) << 4);
+          o[l + 64] = static_cast<uint8_t>((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4);
+          o[l + 96] = static_cast<uint8_t>((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4);
+        }
+      }
+      break;
+  }
+}
+
+void raw_put_codes(QType t, const uint8_t* q, uint8_t* b) {
+  switch (t) {
+    case QType::F32: case QType::F16: break;
+    case QType::Q4_0: q4_put(q, b + 2); break;
+    case QType::Q4_1: q4_put(q, b + 4); break;
+    case QType::Q8_0: std::memcpy(b + 2, q, QK); break;
+    case QType::Q4_K:
+      for (int c = 0; c < 4; ++c)
+        for (int l = 0; l < 32; ++l) b[16 + 32 * c + l] = static_cast<uint8_t>(q[64 * c + l] | q[64 * c + 32 + l] << 4);
+      break;
+    case QType::Q6_K:
+      for (int h = 0; h < 2; ++h) {
+        uint8_t* ql = b + 64 * h;
+        uint8_t* qh = b + 128 + 32 * h;
+        const uint8_t* o = q + 128 * h;
+        for (int l = 0; l < 32; ++l) {
+          ql[l] = static_cast<uint8_t>((o[l] & 0xF) | (o[l + 64] & 0xF) << 4);
+          ql[l + 32] = static_cast<uint8_t>((o[l + 32] & 0xF) | (o[l + 96] & 0xF) << 4);
+          qh[l] = static_cast<uint8_t>((o[l] >> 4) | (o[l + 32] >> 4) << 2 | (o[l + 64] >> 4) << 4 | (o[l + 96] >> 4) << 6);
+        }
+      }
+      break;
+  }
+}
+
+// Where the codes of tile row r go in a tile block (packed.h): nibble pairs, bytes, 2-bit quads.
+void tile_put_codes(QType t, const uint8_t* q, uint8_t* tb, int r) {
+  auto put_nibbles = [&](int64_t off, int n, uint8_t mask) {
+    for (int g = 0; g < n / 2; ++g)
+      tb[off + 16 * g + r] = static_cast<uint8_t>((q[2 * g] & mask) | (q[2 * g + 1] & mask) << 4);
+  };
+  switch (t) {
+    case QType::F32: case QType::F16: break;
+    case QType::Q4_0: put_nibbles(tile_off::kQ4_0Qs, QK, 0xF); break;
+    case QType::Q4_1: put_nibbles(tile_off::kQ4_1Qs, QK, 0xF); break;
+    case QType::Q8_0:
+      for (int k = 0; k < QK; ++k) tb[tile_off::kQ8_0Qs + 16 * k + r] = q[k];
+      break;
+    case QType::Q4_K: put_nibbles(tile_off::kQ4_KQs, QK_K, 0xF); break;
+    case QType::Q6_K:
+      put_nibbles(tile_off::kQ6_KQl, QK_K, 0xF);
+      for (int h = 0; h < QK_K / 4; ++h) {
+        uint8_t v = 0;
+        for (int i = 0; i < 4; ++i) v = static_cast<uint8_t>(v | ((q[4 * h + i] >> 4) & 3) << (2 * i));
+        tb[tile_off::kQ6_KQh + 16 * h + r] = v;
+      }
+      break;
+  }
+}
+
+void tile_codes(QType t, const uint8_t* tb, int r, uint8_t* q) {
+  auto get_nibbles = [&](int64_t off, int n) {
+    for (int g = 0; g < n / 2; ++g) {
+      const uint8_t v = tb[off + 16 * g + r];
+      q[2 * g] = v & 0xF;
+      q[2 * g + 1] = v >> 4;
+    }
+  };
+  switch (t) {
+    case QType::F32: case QType::F16: break;
+    case QType::Q4_0: get_nibbles(tile_off::kQ4_0Qs, QK); break;
+    case QType::Q4_1: get_nibbles(tile_off::kQ4_1Qs, QK); break;
+    case QType::Q8_0:
+      for (int k = 0; k < QK; ++k) q[k] = tb[tile_off::kQ8_0Qs + 16 * k + r];
+      break;
+    case QType::Q4_K: get_nibbles(tile_off::kQ4_KQs, QK_K); break;
+    case QType::Q6_K:
+      get_nibbles(tile_off::kQ6_KQl, QK_K);
+      for (int h = 0; h < QK_K / 4; ++h) {
+        const uint8_t v = tb[tile_off::kQ6_KQh + 16 * h + r];
+        for (int i = 0; i < 4; ++i) q[4 * h + i] = static_cast<uint8_t>(q[4 * h + i] | ((v >> (2 * i)) & 3) << 4);
+      }
+      break;
+  }
+}
+
+}  // namespace
+
+void repack_tiles(const QMatrix& raw, uint8_t* out, int64_t tile_begin, int64_t tile_end) {
+  const QType t = raw.type;
+  const int64_t nb = raw.cols / block_elems(t), bb = block_bytes(t), tbb = tile_block_bytes(t);
+  Field fields[4];
+  fields_of(t, fields);
+  uint8_t codes[QK_K];  // one block's integer codes
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+    uint8_t* dst = out + tile * nb * tbb;
+    std::memset(dst, 0, static_cast<size_t>(nb * tbb));  // padding rows: all zero
+    for (int r = 0; r < kTileRows && tile * kTileRows + r < raw.rows; ++r) {
+      const uint8_t* src = raw.data + (tile * kTileRows + r) * raw.row_bytes;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* rb = src + b * bb;
+        uint8_t* tb = dst + b * tbb;
+        for (const Field* f = fields; f->count > 0; ++f)
+          for (int j = 0; j < f->count; ++j)
+            std::memcpy(tb + f->packed_off + (16 * j + r) * f->size, rb + f->raw_off + j * f->size, f->size);
+        raw_codes(t, rb, codes);
+        tile_put_codes(t, codes, tb, r);
+      }
+    }
+  }
+}
+
+void unpack_row(const PackedMatrix& w, int64_t row, uint8_t* raw_row) {
+  const QType t = w.type;
+  const int64_t nb = w.cols / block_elems(t), bb = block_bytes(t), tbb = tile_block_bytes(t);
+  const int r = static_cast<int>(row % kTileRows);
+  const uint8_t* src = w.data + row / kTileRows * nb * tbb;
+  Field fields[4];
+  fields_of(t, fields);
+  uint8_t codes[QK_K];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* tb = src + b * tbb;
+    uint8_t* rb = raw_row + b * bb;
+    for (const Field* f = fields; f->count > 0; ++f)
+      for (int j = 0; j < f->count; ++j)
+        std::memcpy(rb + f->raw_off + j * f->size, tb + f->packed_off + (16 * j + r) * f->size, f->size);
+    tile_codes(t, tb, r, codes);
+    raw_put_codes(t, codes, rb);
+  }
+}
+
+// The scalar packed GEMM: each weight row as dequantize_row_ref gives it, then per output one
+// fmaf chain over k ascending from +0 (fmaf is correctly rounded, as the SIMD FMAs are).
+void packed_gemm_scalar(const TileJob& job) {
+  const int64_t K = job.cols;
+  const PackedMatrix w{job.w, job.type, job.rows, K};
+  const QMatrix one_row{nullptr, job.type, 1, K, K / block_elems(job.type) * block_bytes(job.type)};
+  std::vector<uint8_t> raw(static_cast<size_t>(one_row.row_bytes));  // [row_bytes] GGUF row
+  std::vector<float> wrow(static_cast<size_t>(K));                   // [K] its fp32 weights
+  const int64_t n_end = std::min(job.tile_end * kTileRows, job.rows);
+  for (int64_t n = job.tile_begin * kTileRows; n < n_end; ++n) {
+    unpack_row(w, n, raw.data());
+    QMatrix q = one_row;
+    q.data = raw.data();
+    dequantize_row_ref(q, 0, wrow.data());
+    for (int64_t i = 0; i < job.m; ++i) {
+      const float* xi = job.x + i * job.ldx;
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(xi[k], wrow[static_cast<size_t>(k)], acc);
+      if (job.bias != nullptr) acc = acc + job.bias[n];
+      float& out = job.y[i * job.ldy + n];
+      out = job.accumulate ? out + acc : acc;
+    }
+  }
+}
+
+}  // namespace backfill

@@ -1,0 +1,223 @@
+"""The packed linear kernels (backfill/kernels/csrc) against their references.
+
+For every weight type: the packed layout dequantizes bit-exactly to gguf's numbers; qlinear
+matches a float64 matmul at fp32-accumulation accuracy; and y[i, n] is bit-identical whatever
+the batch (M, the other rows), the thread count and the ISA (scalar, AVX2, AVX-512: every ISA
+this CPU runs, switched at run time).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from backfill.kernels import extension
+
+ext = extension()
+pytestmark = pytest.mark.skipif(ext is None, reason="CPU kernels extension unavailable (no compiler, or disabled)")
+
+TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+# [N, K] per type: N not a multiple of 16; K spans several blocks and more than one column chunk
+# of the panel kernel (192 / 256 columns).
+SHAPES = {"F32": (37, 300), "F16": (37, 300), "Q4_0": (37, 416), "Q4_1": (37, 416), "Q8_0": (37, 416),
+          "Q4_K": (37, 768), "Q6_K": (37, 768)}
+MS = [1, 2, 3, 5, 16, 33, 100, 350]  # 350: several row chunks of the panel kernel at K >= 416
+ISAS = ["scalar", "avx2", "avx512"]
+
+
+def random_raw(qtype: int, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Random GGUF rows, uint8 [rows, row_bytes]: random code bytes, finite fp16 scales of both
+    signs (a few zero or subnormal), random 6-bit / int8 k-quant scales."""
+    rng = np.random.default_rng(seed)
+    if qtype == 0:
+        return torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32).view(np.uint8))
+    if qtype == 1:
+        return torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float16).view(np.uint8))
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)  # [rows, blocks, bytes]
+
+    def set_half(offset: int, scale: float) -> None:
+        v = rng.uniform(0.1, 1.0, raw.shape[:2]) * scale * rng.choice([-1.0, 1.0], raw.shape[:2])
+        v[rng.random(raw.shape[:2]) < 0.05] = 3e-6  # fp16 subnormal
+        v[rng.random(raw.shape[:2]) < 0.02] = 0.0
+        raw[:, :, offset : offset + 2] = v.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+
+    offsets = {2: [0], 3: [0, 2], 8: [0], 12: [0, 2], 14: [208]}[qtype]
+    for offset in offsets:
+        set_half(offset, 0.05)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def reference(raw: torch.Tensor, qtype: int) -> torch.Tensor:
+    """gguf's own dequantization, fp32 [rows, cols]."""
+    data = raw.numpy()
+    if qtype in (0, 1):
+        data = data.view(np.float32 if qtype == 0 else np.float16)
+    return torch.from_numpy(dequantize(data, GGMLQuantizationType(qtype)).astype(np.float32))
+
+
+@pytest.fixture
+def restore_isa() -> Iterator[None]:
+    before = ext.isa()
+    yield
+    ext.set_isa(before)
+
+
+def use_isa(name: str) -> None:
+    if not ext.set_isa(name):
+        pytest.skip(f"this CPU cannot run the {name} kernels")
+
+
+def packed_case(name: str, seed: int = 0) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
+    qtype = TYPES[name]
+    n, k = SHAPES[name]
+    raw = random_raw(qtype, n, k, seed)
+    return qtype, n, k, raw, ext.repack(raw, qtype, k)
+
+
+def assert_fp32_accurate(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """|y - x @ w^T| <= K u sum_k |x| |w| (u = 2^-24): the bound of any fp32 summation order."""
+    y64 = x.double() @ w.double().T
+    bound = (x.double().abs() @ w.double().abs().T) * x.shape[1] * 2.0**-24
+    excess = (y.double() - y64).abs() - bound
+    assert excess.max().item() <= 0.0, f"error exceeds the fp32 bound by {excess.max().item():.3g}"
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_packed_is_bit_exact(name: str) -> None:
+    qtype, n, k, raw, packed = packed_case(name)
+    ref = reference(raw, qtype)
+    got = ext.dequantize_packed(packed, qtype, n, k)  # [N, K]
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    assert torch.equal(ext.dequantize(raw, qtype, k).view(torch.int32), ref.view(torch.int32))
+    ids = torch.tensor([n - 1, 0, 17, 17, 5])
+    assert torch.equal(ext.dequantize_packed(packed, qtype, n, k, ids).view(torch.int32), ref[ids].view(torch.int32))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", TYPES)
+def test_qlinear_accuracy_and_batch_invariance(name: str, isa: str, restore_isa: None) -> None:
+    use_isa(isa)
+    qtype, n, k, raw, packed = packed_case(name)
+    w = reference(raw, qtype)
+    x = torch.randn(max(MS), k, generator=torch.Generator().manual_seed(1))  # [M, K]
+    full = ext.qlinear(x, packed, qtype, n, k)  # [M, N]
+    assert_fp32_accurate(full, x, w)
+    for m in MS:  # the first m rows alone: the same bits
+        assert torch.equal(ext.qlinear(x[:m], packed, qtype, n, k), full[:m]), f"M={m}"
+    for i in [0, 7, max(MS) - 1]:  # one row alone, and among other rows
+        assert torch.equal(ext.qlinear(x[i : i + 1], packed, qtype, n, k), full[i : i + 1])
+        others = torch.randn(5, k)
+        others[3] = x[i]
+        assert torch.equal(ext.qlinear(others, packed, qtype, n, k)[3], full[i])
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_isas_are_bit_identical(name: str, restore_isa: None) -> None:
+    qtype, n, k, _, packed = packed_case(name, seed=2)
+    x = torch.randn(33, k)
+    bias = torch.randn(n)
+    results = {}
+    for isa in ISAS:
+        if ext.set_isa(isa):
+            results[isa] = [ext.qlinear(x[:m], packed, qtype, n, k, bias=bias) for m in (1, 5, 33)]
+    assert len(results) >= 1
+    first = next(iter(results.values()))
+    for isa, ys in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(ys, first)), isa
+
+
+@pytest.mark.parametrize("name", ["F32", "Q4_1", "Q8_0", "Q4_K"])
+def test_thread_count_invariance(name: str) -> None:
+    qtype = TYPES[name]
+    n, k = 301, SHAPES[name][1]
+    raw = random_raw(qtype, n, k, seed=3)
+    packed = ext.repack(raw, qtype, k)
+    x = torch.randn(40, k)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [ext.qlinear(x[:m], packed, qtype, n, k) for m in (1, 4, 40)]
+        torch.set_num_threads(max(2, threads))
+        many = [ext.qlinear(x[:m], packed, qtype, n, k) for m in (1, 4, 40)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, many))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", ["F32", "F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_bias_strided_out_and_accumulate(name: str, isa: str, restore_isa: None) -> None:
+    use_isa(isa)
+    qtype, n, k, _, packed = packed_case(name, seed=4)
+    for m in (1, 6, 20):
+        x_big = torch.randn(m, k + 7)  # x rows with a stride > K
+        x = x_big[:, 3 : 3 + k]
+        bias = torch.randn(n)
+        plain = ext.qlinear(x.contiguous(), packed, qtype, n, k)
+        with_bias = ext.qlinear(x, packed, qtype, n, k, bias=bias)
+        assert torch.equal(with_bias, plain + bias)  # one fp32 add, the same in every kernel
+        out_big = torch.randn(m, n + 9)
+        before = out_big.clone()
+        out = out_big[:, 5 : 5 + n]
+        ext.qlinear(x, packed, qtype, n, k, bias=bias, out=out, accumulate=True)
+        assert torch.equal(out, before[:, 5 : 5 + n] + with_bias)
+        assert torch.equal(out_big[:, :5], before[:, :5]) and torch.equal(out_big[:, 5 + n :], before[:, 5 + n :])
+        ext.qlinear(x, packed, qtype, n, k, out=out)
+        assert torch.equal(out, plain)
+
+
+def test_bad_arguments_are_refused() -> None:
+    qtype, n, k, raw, packed = packed_case("Q4_1")
+    with pytest.raises(RuntimeError):
+        ext.qlinear(torch.randn(2, k), packed[:-1].contiguous(), qtype, n, k)
+    with pytest.raises(RuntimeError):
+        ext.qlinear(torch.randn(2, k + 1), packed, qtype, n, k)
+    with pytest.raises(RuntimeError):
+        ext.repack(raw, qtype, k + 32)
+    assert not ext.set_isa("avx1024")
+
+
+def test_backfill_isa_env_lowers_the_choice() -> None:
+    code = "from backfill.kernels import extension; print(extension().isa())"
+    env = dict(os.environ, BACKFILL_ISA="scalar")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "scalar"
+
+
+def test_default_model_tensors(restore_isa: None) -> None:
+    """A Q4_1 matrix and the Q8_0 embedding / LM head of the default model, as shipped."""
+    try:
+        from backfill.model.loader import _GGUFFile, default_model_path
+
+        f = _GGUFFile(default_model_path())
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    tensors = {t.name: t for t in f.tensors}
+    for name in ["blk.0.ffn_down.weight", "token_embd.weight"]:
+        info = tensors[name]
+        k, n = info.dims
+        raw = torch.from_numpy(np.array(f.tensor_data(info)))  # uint8 [N, row_bytes]
+        packed = ext.repack(raw, info.ggml_type, k)
+        ids = torch.randint(0, n, (300,), generator=torch.Generator().manual_seed(5))
+        ids[0] = n - 1
+        w = reference(raw[ids], info.ggml_type)  # [300, K]
+        rows = ext.dequantize_packed(packed, info.ggml_type, n, k, ids)
+        assert torch.equal(rows.view(torch.int32), w.view(torch.int32))
+        x = torch.randn(7, k)
+        results = []
+        for isa in ISAS:
+            if ext.set_isa(isa) and (isa != "scalar" or n < 10_000):
+                y = ext.qlinear(x, packed, info.ggml_type, n, k)  # [7, N]
+                assert_fp32_accurate(y[:, ids], x, w)
+                assert torch.equal(ext.qlinear(x[2:3], packed, info.ggml_type, n, k), y[2:3])
+                results.append(y)
+        assert all(torch.equal(r, results[0]) for r in results)
