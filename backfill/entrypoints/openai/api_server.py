@@ -315,6 +315,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=POLICIES, default="continuous")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--prefill-budget", type=int, default=None,
+                        help="while streams decode, prompt work a step may add (units of one token's linear "
+                             "layers; default per device: cpu 16, cuda unlimited; 0: unlimited)")
     parser.add_argument("--max-queue", type=int, default=None,
                         help="sequences that find no free batch slot beyond which requests get 429 (default: no limit)")
     parser.add_argument("--max-seqs-per-request", type=int, default=DEFAULT_MAX_SEQS_PER_REQUEST,
@@ -410,7 +413,8 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig(
             model=args.model, policy=args.policy, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+            max_num_batched_tokens=args.max_num_batched_tokens, prefill_budget=args.prefill_budget,
+            num_kv_blocks=args.num_kv_blocks,
             block_size=args.block_size, max_model_len=args.max_model_len, dtype=args.dtype,
             quantization=args.quantization,
             device=args.device, seed=args.seed, num_threads=args.num_threads)
