@@ -46,6 +46,8 @@ def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--arrival-rate", type=_rate, default=1.0, help="poisson/gamma: requests per second")
     group.add_argument("--arrival-burstiness", type=float, default=1.0, help="gamma shape (<1 burstier)")
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--long-prompt-words", type=int, default=6000, help="long-prompt: words of the long prompt")
+    group.add_argument("--long-prompt-arrival", type=float, default=2.0, help="long-prompt: its arrival (s)")
 
 
 def _spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
@@ -54,6 +56,7 @@ def _spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
         short_tokens=tuple(args.short_tokens), long_tokens=tuple(args.long_tokens),
         uniform_tokens=tuple(args.uniform_tokens), prompt_words=tuple(args.prompt_words),
         arrival=args.arrival, request_rate=args.arrival_rate, burstiness=args.arrival_burstiness, seed=args.seed,
+        long_prompt_words=args.long_prompt_words, long_prompt_arrival=args.long_prompt_arrival,
     )
 
 

@@ -20,9 +20,9 @@ import numpy as np
 
 from backfill.bench.text_corpus import INSTRUCTIONS, QUESTIONS, SENTENCES
 
-WorkloadKind = Literal["mixed", "uniform"]
+WorkloadKind = Literal["mixed", "uniform", "long-prompt"]
 ArrivalKind = Literal["all-at-once", "poisson", "gamma"]
-WORKLOAD_KINDS: tuple[str, ...] = ("mixed", "uniform")
+WORKLOAD_KINDS: tuple[str, ...] = ("mixed", "uniform", "long-prompt")
 ARRIVAL_KINDS: tuple[str, ...] = ("all-at-once", "poisson", "gamma")
 
 
@@ -89,6 +89,9 @@ class WorkloadSpec:
 
     mixed: round(short_share * num_requests) requests want `short_tokens` output tokens, the
     rest `long_tokens`, shuffled. uniform: every request draws from `uniform_tokens`.
+    long-prompt: num_requests - 1 streams drawing from `uniform_tokens` arrive as `arrival`
+    says, then one prompt of `long_prompt_words` words (one output token) arrives at
+    `long_prompt_arrival` s: what a long prompt does to the streams' inter-token latency.
     Arrivals: all at once (arrival_time 0), Poisson at `request_rate`, or gamma intervals with
     shape `burstiness` (< 1 burstier, > 1 smoother; 1 is Poisson), as `vllm bench serve`.
     """
@@ -104,6 +107,8 @@ class WorkloadSpec:
     request_rate: float = 1.0
     burstiness: float = 1.0
     seed: int = 0
+    long_prompt_words: int = 6000
+    long_prompt_arrival: float = 2.0
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -122,6 +127,9 @@ class WorkloadSpec:
             raise ValueError(f"request_rate: must be > 0, got {self.request_rate}")
         if not self.burstiness > 0:
             raise ValueError(f"burstiness: must be > 0, got {self.burstiness}")
+        if self.kind == "long-prompt" and (self.num_requests < 2 or self.long_prompt_words < 1
+                                           or not self.long_prompt_arrival >= 0):
+            raise ValueError("long-prompt: needs num_requests >= 2, long_prompt_words >= 1, long_prompt_arrival >= 0")
 
 
 def draw_arrival_times(
@@ -165,7 +173,7 @@ def make_prompt(num_words: int, rng: np.random.Generator) -> str:
 def generate_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
     """Draw `spec.num_requests` requests; the same spec always gives the same workload."""
     rng = np.random.default_rng(spec.seed)
-    n = spec.num_requests
+    n = spec.num_requests - (spec.kind == "long-prompt")
     if spec.kind == "mixed":
         num_short = int(round(spec.short_share * n))
         short = rng.integers(spec.short_tokens[0], spec.short_tokens[1] + 1, size=num_short)
@@ -180,10 +188,14 @@ def generate_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
     else:
         burstiness = 1.0 if spec.arrival == "poisson" else spec.burstiness
         arrivals = draw_arrival_times(n, spec.request_rate, burstiness, rng)
-    return [
+    requests = [
         WorkloadRequest(max_tokens=int(m), prompt=p, arrival_time=a)
         for m, p, a in zip(max_tokens, prompts, arrivals)
     ]
+    if spec.kind == "long-prompt":
+        long_prompt = make_prompt(spec.long_prompt_words, rng)
+        requests.append(WorkloadRequest(max_tokens=1, prompt=long_prompt, arrival_time=spec.long_prompt_arrival))
+    return requests
 
 
 def save_workload(requests: list[WorkloadRequest], path: str | Path) -> None:

@@ -124,3 +124,17 @@ def test_spec_validation() -> None:
         WorkloadSpec(long_tokens=(10, 5))
     with pytest.raises(ValueError, match="request_rate"):
         WorkloadSpec(arrival="poisson", request_rate=0)
+
+
+def test_long_prompt_workload_is_streams_then_one_long_prompt() -> None:
+    spec = WorkloadSpec(num_requests=9, kind="long-prompt", uniform_tokens=(300, 300), long_prompt_words=2000,
+                        long_prompt_arrival=1.5, seed=3)
+    requests = generate_workload(spec)
+    assert len(requests) == 9
+    streams, long = requests[:-1], requests[-1]
+    assert all(r.max_tokens == 300 and r.arrival_s == 0.0 for r in streams)
+    assert long.max_tokens == 1 and long.arrival_s == 1.5
+    assert long.prompt is not None and len(long.prompt.split()) >= 2000
+    assert generate_workload(spec) == requests  # seeded
+    with pytest.raises(ValueError, match="long-prompt"):
+        WorkloadSpec(num_requests=1, kind="long-prompt")
