@@ -5,7 +5,7 @@
 //   vf_bcast, vf_fma (a * b + c, one rounding), vf_mul, vf_add, vf_load_f16 (16 halves),
 //   vi_load_u8 / vi_load_s8 (16 bytes widened), vi_and, vi_srl<s>, vi_sll<s>, vi_or_and
 //   (a | (b & mask)), vi_to_f, vf_nib_lo (float(v & 15)), vf_nib_hi (float(v >> 4), v < 256);
-//   and the blocking constants: kFusedMaxM, fused_nt(mr), kPanelNT, kPanelMaxMR.
+//   and the blocking constants: kFusedMaxM, fused_nt(mr), kPanelNT, kPanelMaxMR, kPanelKc.
 // Everything here has internal linkage: each ISA unit gets its own copy (see isa.h).
 //
 // Numbers (the invariant every path keeps, see TileJob): lanes run across 16 output rows, so
@@ -24,18 +24,10 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Weight producers, one per type: for_each<NT>(tiles, k0, kn, fn) calls fn(k, w) for k = k0,
 // k0 + 1, .., k0 + kn - 1 in order, w[t] the 16 weights (fp32) of tiles[t] at column k.
-// k0 and kn are multiples of 32 (kn of 1 for F16 / F32).
+// k0 and kn are multiples of 32 (any for F16).
 
 struct DqF32 {
-  static constexpr bool kIsPanel = true;  // a tile is already a [K][16] fp32 panel
-  template <int NT, class Fn>
-  BF_AI static void for_each(const uint8_t* const* tiles, int64_t k0, int64_t kn, Fn&& fn) {
-    for (int64_t k = k0; k < k0 + kn; ++k) {
-      VF w[NT];
-      BF_UNROLL for (int t = 0; t < NT; ++t) w[t] = vf_load(reinterpret_cast<const float*>(tiles[t]) + 16 * k);
-      fn(k, w);
-    }
-  }
+  static constexpr bool kIsPanel = true;  // a tile is already a [K][16] fp32 panel: nothing to do
 };
 
 struct DqF16 {
@@ -274,6 +266,7 @@ void fused_rows(const TileJob& job, int mr, const float* xp) {
 // in `part` (fp32, stored and reloaded exactly: the chains are the same as unchunked).
 
 static_assert(kPanelNT * kPanelKc <= kScratchPanelFloats / kTileRows, "panels exceed the job scratch");
+static_assert(kPanelNT <= 4 && kPanelMaxMR <= 16 && kFusedMaxM <= 16, "partial sums / packed x exceed the scratch");
 
 template <int MR, int NT>
 __attribute__((noinline)) void panel_block(const TileJob& job, int64_t row0, const float* xp, int64_t tile0,
@@ -322,7 +315,7 @@ __attribute__((noinline)) void dequant_panel(const uint8_t* tile, int64_t k0, in
 }
 
 // Rows [row_begin, row_end) x tiles [tile0, tile0 + NT), in balanced blocks of <= kPanelMaxMR rows
-// (row_blocks(...)); xp = those rows packed by pack_x.
+// (block_rows); xp = those rows packed by pack_x, block after block.
 template <class Dq, int NT>
 void panel_group(const TileJob& job, int64_t row_begin, int64_t row_end, const float* xp, int64_t tile0) {
   const int64_t tb = tile_bytes(job.type, job.cols);
@@ -342,9 +335,10 @@ void panel_group(const TileJob& job, int64_t row_begin, int64_t row_end, const f
         panels[t] = panel;
       }
     }
-    // The next chunk's weights come from memory while this chunk's FMAs run: the dequantization
-    // loop alone is too short for the hardware prefetcher to hide the latency (+3-9% measured).
-    {  // the next chunk of these tiles, or the first chunk of the next group's
+    // The next chunk's weights (these tiles' next columns, or the next group's first ones) come
+    // from memory while this chunk's FMAs run: the dequantization loop alone is too short for the
+    // hardware prefetcher to hide the latency (+5-10% measured at M = 16-32).
+    {
       const bool last = k0 + kPanelKc >= job.cols;
       const int64_t next = last ? 0 : k0 + kPanelKc, next_n = job.cols - next < kPanelKc ? job.cols - next : kPanelKc;
       const int64_t next_tile = last ? tile0 + NT : tile0;
@@ -387,13 +381,15 @@ void panel_path(const TileJob& job, float* xp) {
 
 template <class Dq>
 void run_job(const TileJob& job) {
-  float* xp = job.scratch + kScratchPanelFloats + kScratchPartFloats;
-  if (job.m <= kFusedMaxM && !Dq::kIsPanel) {
-    pack_x(job, 0, static_cast<int>(job.m), xp);
-    fused_rows<Dq>(job, static_cast<int>(job.m), xp);
-  } else {
-    panel_path<Dq>(job, xp);
+  float* xp = job.scratch + kScratchPanelFloats + kScratchPartFloats;  // x packed
+  if constexpr (!Dq::kIsPanel) {  // F32 tiles are read in place by the panel kernel at any M
+    if (job.m <= kFusedMaxM) {
+      pack_x(job, 0, static_cast<int>(job.m), xp);
+      fused_rows<Dq>(job, static_cast<int>(job.m), xp);
+      return;
+    }
   }
+  panel_path<Dq>(job, xp);
 }
 
 BF_AI void run_packed_gemm(const TileJob& job) {
