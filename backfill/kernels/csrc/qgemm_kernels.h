@@ -42,6 +42,22 @@ struct DqF16 {
   }
 };
 
+// 32 columns k0 .. k0 + 31 of 4-bit codes, 16 groups of 16 bytes per tile (byte r of group g:
+// columns 2g (low nibble) and 2g + 1 of row r), as w = fma(q, d, m) with per-row d and m.
+template <int NT, class Fn>
+BF_AI void nibble_columns(const uint8_t* const* qs, const VF* d, const VF* m, int64_t k0, Fn&& fn) {
+  for (int g = 0; g < 16; ++g) {
+    VF w0[NT], w1[NT];
+    BF_UNROLL for (int t = 0; t < NT; ++t) {
+      const VI q = vi_load_u8(qs[t] + 16 * g);
+      w0[t] = vf_fma(vf_nib_lo(q), d[t], m[t]);
+      w1[t] = vf_fma(vf_nib_hi(q), d[t], m[t]);
+    }
+    fn(k0 + 2 * g, w0);
+    fn(k0 + 2 * g + 1, w1);
+  }
+}
+
 // Q4_0 (w = (q - 8) d = fma(q, d, -8 d)) and Q4_1 (w = q d + m = fma(q, d, m)): one tile block
 // per 32 columns, byte r of group g holding columns 2g (low nibble) and 2g + 1 of row r.
 template <bool kHasMin>
@@ -60,16 +76,7 @@ struct DqQ4 {
         m[t] = kHasMin ? vf_load_f16(blk + tile_off::kQ4_1M) : vf_mul(d[t], vf_set1(-8.0f));
         qs[t] = blk + kQs;
       }
-      for (int g = 0; g < QK / 2; ++g) {
-        VF w0[NT], w1[NT];
-        BF_UNROLL for (int t = 0; t < NT; ++t) {
-          const VI q = vi_load_u8(qs[t] + 16 * g);
-          w0[t] = vf_fma(vf_nib_lo(q), d[t], m[t]);
-          w1[t] = vf_fma(vf_nib_hi(q), d[t], m[t]);
-        }
-        fn(b * QK + 2 * g, w0);
-        fn(b * QK + 2 * g + 1, w1);
-      }
+      nibble_columns<NT>(qs, d, m, b * QK, fn);
     }
   }
 };
@@ -123,16 +130,7 @@ struct DqQ4_K {
         m1[t] = vf_mul(vf_load_f16(blk + tile_off::kQ4_KDmin), vf_mul(vi_to_f(mj), vf_set1(-1.0f)));
         qs[t] = blk + tile_off::kQ4_KQs + 16 * 16 * j;
       }
-      for (int g = 0; g < 16; ++g) {
-        VF w0[NT], w1[NT];
-        BF_UNROLL for (int t = 0; t < NT; ++t) {
-          const VI q = vi_load_u8(qs[t] + 16 * g);
-          w0[t] = vf_fma(vf_nib_lo(q), d1[t], m1[t]);
-          w1[t] = vf_fma(vf_nib_hi(q), d1[t], m1[t]);
-        }
-        fn(s * 32 + 2 * g, w0);
-        fn(s * 32 + 2 * g + 1, w1);
-      }
+      nibble_columns<NT>(qs, d1, m1, s * 32, fn);
     }
   }
 };
