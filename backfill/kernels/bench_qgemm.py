@@ -66,14 +66,40 @@ def load_step_matrices(ext: object) -> list[Matrix]:
     return out
 
 
+def cpu_idle_fraction(seconds: float = 0.25) -> float:
+    """Share of all CPUs' time spent idle over `seconds` (/proc/stat; 1.0 where unreadable)."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return v[3] + v[4], sum(v)
+
+    try:
+        idle0, total0 = sample()
+        time.sleep(seconds)
+        idle1, total1 = sample()
+    except OSError:
+        return 1.0
+    return (idle1 - idle0) / max(1, total1 - total0)
+
+
+WAIT_IDLE_S = 0.0  # --wait-idle: wait up to this long for idle CPUs before each burst of calls
+ROUNDS = 1  # --rounds: bursts of timed calls (each after an idle window when waiting)
+
+
 def time_min(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
-    """(min, median) seconds of `repeats` calls after one warm-up."""
-    fn()
+    """(min, median) seconds over ROUNDS bursts of one warm-up and `repeats` timed calls. On a
+    shared machine (--wait-idle) each burst first waits for the CPUs to be >= 90% idle: a
+    parallel region waits a whole scheduler slice for a descheduled worker thread."""
     times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    for _ in range(ROUNDS):
+        deadline = time.monotonic() + WAIT_IDLE_S
+        while WAIT_IDLE_S > 0 and time.monotonic() < deadline and cpu_idle_fraction() < 0.9:
+            pass
         fn()
-        times.append(time.perf_counter() - t0)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
     return min(times), statistics.median(times)
 
 
@@ -100,7 +126,12 @@ def main() -> int:
     parser.add_argument("--no-torch", action="store_true", help="skip torch F.linear")
     parser.add_argument("--no-scalar", action="store_true", help="skip the scalar fallback")
     parser.add_argument("--per-matrix", action="store_true", help="also time each kind of matrix at M = 1")
+    parser.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
+                        help="before each burst of timed calls wait up to S seconds for idle CPUs (shared machines)")
+    parser.add_argument("--rounds", type=int, default=1, help="bursts of timed calls per measurement (min over all)")
     args = parser.parse_args()
+    global WAIT_IDLE_S, ROUNDS
+    WAIT_IDLE_S, ROUNDS = args.wait_idle, args.rounds
 
     ext = extension()
     if ext is None:
@@ -135,6 +166,7 @@ def main() -> int:
 
     def reps(m: int) -> int:
         return max(2, args.repeats if m <= 64 else args.repeats // 4)
+
 
     isas = [i for i in args.isa.split(",") if ext.set_isa(i)]
     header = f"{'M':>5} {'ISA':>7} {'ms':>8} {'med ms':>8} {'GB/s':>6} {'GFLOP/s':>8} {'%peak':>6} {'x mem':>6}"

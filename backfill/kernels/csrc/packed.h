@@ -65,11 +65,11 @@ struct TileJob {
   bool accumulate;
   int64_t tile_begin;
   int64_t tile_end;
-  float* scratch;  // kJobScratchFloats floats, 64-byte aligned, private to this job
+  float* scratch;  // job_scratch_floats(cols) floats, 64-byte aligned, private to this job
 };
 
-// A job's scratch: dequantized fp32 panels (<= 2048 columns x 16 rows), partial sums of up to
-// kScratchPartRows rows x 4 tiles, and x packed (~512 KB, at least 16 rows of K).
+// A job's scratch: [panels: <= 2048 columns x 16 rows][partial sums: <= kScratchPartRows rows x 4
+// tiles x 16][x packed: ~512 KB, and at least 16 rows x K] fp32.
 constexpr int64_t kScratchPanelFloats = 2048 * kTileRows;
 constexpr int64_t kScratchPartRows = 1024;
 constexpr int64_t kScratchPartFloats = kScratchPartRows * 4 * kTileRows;
