@@ -24,7 +24,12 @@ NAME = "backfill_cpu_kernels"
 SOURCE_DIR = Path(__file__).parent / "csrc"
 # Inside the package (ignored by git): an editable install finds it, and `make clean` removes it.
 BUILD_DIR = Path(__file__).parent / "_build"
-CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-Wall", "-Wno-unknown-pragmas"]
+# NOTE: -fopenmp is what makes at::parallel_for (a header template) parallel inside the
+# extension; without it every loop runs on the calling thread. torch ships its own libgomp.so.1,
+# which the extension's libgomp dependency resolves to, so there is one OpenMP pool and
+# torch.set_num_threads governs it.
+CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
+LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -48,6 +53,7 @@ def build(verbose: bool = False) -> ModuleType:
         name=NAME,
         sources=_sources(),
         extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS,
         build_directory=str(BUILD_DIR),
         verbose=verbose,
     )
