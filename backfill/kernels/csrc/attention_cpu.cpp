@@ -41,6 +41,7 @@ constexpr int64_t kSplitMaxRows = 128;
 void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int64_t num_blocks) {
   tiles.clear();
   splits.clear();
+  max_rows = 0;
   int64_t num_partial_floats = 0;
   std::vector<std::pair<size_t, int64_t>> partial_tiles;  // (tile, offset in partials) of cut tiles
   const int64_t num_seqs = meta.num_seqs, part_keys = kAttentionPartitionKeys;
@@ -61,6 +62,7 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
       const int64_t first_key = shape.window > 0 ? std::max<int64_t>(0, pos - shape.window + 1) : 0;
       const int64_t num_parts = (end - 1) / part_keys - first_key / part_keys + 1;
       const int64_t rows = n * shape.group, partial_floats = rows * (shape.head_dim + 2);
+      max_rows = std::max(max_rows, rows);
       for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
         const AttentionTile whole{q_begin + i, pos, n, h, table, first_key, end, nullptr};
         if (num_parts == 1 || rows > kSplitMaxRows) {
@@ -95,7 +97,7 @@ void AttentionPlan::run(const DecoderKernels& kernels, const AttentionShape& sha
                         const float* k_cache, const float* v_cache, float* out, int64_t ldo) {
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
-  const int64_t per_worker = kernels.attention_scratch(shape);
+  const int64_t per_worker = kernels.attention_scratch(shape, max_rows);
   if (static_cast<int64_t>(scratch.size()) < num_workers * per_worker)
     scratch.resize(static_cast<size_t>(num_workers * per_worker));
   std::atomic<int64_t> next{0};

@@ -38,7 +38,8 @@ struct AttentionPlan {
   std::vector<AttentionTile> tiles;
   std::vector<Split> splits;
   std::vector<float> partials;  // per split: [num_parts, rows, D + 2]
-  std::vector<float> scratch;   // [workers, attention_scratch(shape)]
+  std::vector<float> scratch;   // [workers, attention_scratch(shape, max_rows)]
+  int64_t max_rows = 0;         // the most rows (query tokens x G) of any tile
 
   void build(const StepMeta& meta, const AttentionShape& shape, int64_t num_blocks);
   // out[t, h, :] for every token t and query head h (q, out: [T, H * D] rows of stride ldq, ldo).

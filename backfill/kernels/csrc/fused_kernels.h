@@ -74,8 +74,9 @@ static_assert(kAttentionPartitionKeys % kAttentionTileKeys == 0, "a partition is
 struct DecoderKernels {
   const char* name;
   int64_t lanes;  // SIMD width W in floats; attention_tile needs head_dim % lanes == 0
-  // floats of per-thread scratch attention_tile needs for tiles of up to attention_tile_queries
-  int64_t (*attention_scratch)(const AttentionShape& shape);
+  // floats of per-thread scratch attention_tile needs for tiles of up to max_rows rows (query
+  // tokens x G; at most attention_tile_queries(G) * G)
+  int64_t (*attention_scratch)(const AttentionShape& shape, int64_t max_rows);
   // out rows (token .. token + num_q) x heads of kv_head = softmax(q k^T * scale) v, causal
   // (and windowed) by position. q: row t at q + t * ldq, heads [H][D]; out likewise with ldo.
   void (*attention_tile)(const AttentionShape& shape, const AttentionTile& tile, const float* q, int64_t ldq,

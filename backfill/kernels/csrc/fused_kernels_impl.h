@@ -67,23 +67,23 @@ inline vi iota() {
   for (int64_t i = 0; i < W; ++i) v[i] = static_cast<int32_t>(i);
   return v;
 }
-// m[i][l] <- m[l][i]: log2(W) stages, each swapping the off-diagonal h x h blocks of every
-// 2h x 2h block (one two-register shuffle per register and stage). Fully unrolled, so that m
-// and the masks stay in registers.
+// m[i][l] <- m[l][i]: log2(W) stages, stage K (H = W >> (K + 1)) swapping the off-diagonal
+// H x H blocks of every 2H x 2H block, one two-register shuffle per register. Templates and
+// constant indices only, so that m and the masks stay in registers.
+template <int64_t K>
 inline void transpose(vf* m) {
-#pragma GCC unroll 8
-  for (int64_t k = 0, h = W / 2; h >= 1; ++k, h /= 2) {
-    vi low, high;
-    __builtin_memcpy(&low, kLaneMasks.low[k], sizeof low);
-    __builtin_memcpy(&high, kLaneMasks.high[k], sizeof high);
+  constexpr int64_t H = W >> (K + 1);
+  vi low, high;
+  __builtin_memcpy(&low, kLaneMasks.low[K], sizeof low);
+  __builtin_memcpy(&high, kLaneMasks.high[K], sizeof high);
 #pragma GCC unroll 16
-    for (int64_t i = 0; i < W; ++i) {
-      if (i & h) continue;
-      const vf a = m[i], b = m[i + h];
-      m[i] = __builtin_shuffle(a, b, low);
-      m[i + h] = __builtin_shuffle(a, b, high);
-    }
+  for (int64_t p = 0; p < W / 2; ++p) {
+    const int64_t i = p / H * 2 * H + p % H;  // the rows with bit H clear
+    const vf a = m[i], b = m[i + H];
+    m[i] = __builtin_shuffle(a, b, low);
+    m[i + H] = __builtin_shuffle(a, b, high);
   }
+  if constexpr (H > 1) transpose<K + 1>(m);
 }
 // 1 / d to ~2 ulp: the ISA's estimate and one Newton step, a fraction of a division's cost
 inline vf reciprocal(vf d) {
@@ -167,8 +167,8 @@ constexpr int64_t PK = kAttentionPartitionKeys;
 
 inline int64_t padded_rows(int64_t rows) { return (rows + W - 1) / W * W; }
 
-int64_t attention_scratch(const AttentionShape& s) {
-  const int64_t rows = padded_rows(attention_tile_queries(s.group) * s.group), d = s.head_dim;
+int64_t attention_scratch(const AttentionShape& s, int64_t max_rows) {
+  const int64_t rows = padded_rows(max_rows), d = s.head_dim;
   // O, folded O [rows, D] | max, sum, alpha, folded max, folded sum [rows] | Q [rows, D] |
   // P [BK, rows] | K^T [D, KB] | lo, hi [rows] int32 | zeros [D]
   return 2 * rows * d + 5 * rows + rows * d + BK * rows + d * KB + 2 * rows + d;
@@ -177,13 +177,16 @@ int64_t attention_scratch(const AttentionShape& s) {
 // o[r][x0 : x0 + DV*W] += sum_j p[r, j] * v_rows[j][x0 : x0 + DV*W] for NR rows (p[r, j] at
 // p + r * p_row + j * p_key): the rows' slices of O stay in registers over the key tile, each
 // V load feeds NR FMAs. Per output element one fma chain over the tile's keys in key order.
+// ahead (null: none): rows of d_len floats to prefetch, ahead[j] (if not null) beside key j.
 template <int64_t DV, int64_t NR>
 inline void pv_block(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t x0, float* o,
-                     int64_t d_len) {
+                     int64_t d_len, const float* const* ahead) {
   vf acc[NR][DV];
   for (int64_t r = 0; r < NR; ++r)
     for (int64_t x = 0; x < DV; ++x) acc[r][x] = load(o + r * d_len + x0 + x * W);
   for (int64_t j = 0; j < BK; ++j) {
+    if (ahead != nullptr && ahead[j] != nullptr)
+      for (int64_t x = 0; x < d_len; x += 16) __builtin_prefetch(ahead[j] + x);
     if (v_rows[j] == nullptr) continue;  // outside the tile's key range: p is 0 for every row
     vf v[DV];
     for (int64_t x = 0; x < DV; ++x) v[x] = load(v_rows[j] + x0 + x * W);
@@ -199,35 +202,37 @@ inline void pv_block(const float* p, int64_t p_row, int64_t p_key, const float* 
 // The last n (1 <= n <= N) rows as one block.
 template <int64_t DV, int64_t N>
 inline void pv_tail(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t x0, float* o,
-                    int64_t d_len, int64_t n) {
+                    int64_t d_len, int64_t n, const float* const* ahead) {
   if constexpr (N > 1) {
-    if (n < N) return pv_tail<DV, N - 1>(p, p_row, p_key, v_rows, x0, o, d_len, n);
+    if (n < N) return pv_tail<DV, N - 1>(p, p_row, p_key, v_rows, x0, o, d_len, n, ahead);
   }
-  pv_block<DV, N>(p, p_row, p_key, v_rows, x0, o, d_len);
+  pv_block<DV, N>(p, p_row, p_key, v_rows, x0, o, d_len, ahead);
 }
 
 template <int64_t DV>
 inline void pv_rows(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t x0, float* o,
-                    int64_t d_len, int64_t rows) {
+                    int64_t d_len, int64_t rows, const float* const* ahead) {
   constexpr int64_t NR = kAccRegs / DV > 0 ? kAccRegs / DV : 1;
   int64_t r = 0;
-  for (; r + NR <= rows; r += NR) pv_block<DV, NR>(p + r * p_row, p_row, p_key, v_rows, x0, o + r * d_len, d_len);
-  if (r < rows) pv_tail<DV, NR>(p + r * p_row, p_row, p_key, v_rows, x0, o + r * d_len, d_len, rows - r);
+  for (; r + NR <= rows; r += NR, ahead = nullptr)
+    pv_block<DV, NR>(p + r * p_row, p_row, p_key, v_rows, x0, o + r * d_len, d_len, ahead);
+  if (r < rows) pv_tail<DV, NR>(p + r * p_row, p_row, p_key, v_rows, x0, o + r * d_len, d_len, rows - r, ahead);
 }
 
-// O[rows, D] += P . V tile, D cut into slices of at most 8 registers.
+// O[rows, D] += P . V tile, D cut into slices of at most 8 registers; the rows `ahead` are
+// prefetched once, spread over the first block's keys.
 inline void accumulate_pv(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, float* o,
-                          int64_t d_len, int64_t rows) {
-  for (int64_t x0 = 0; x0 < d_len; x0 += 8 * W) {
+                          int64_t d_len, int64_t rows, const float* const* ahead = nullptr) {
+  for (int64_t x0 = 0; x0 < d_len; x0 += 8 * W, ahead = nullptr) {
     switch ((d_len - x0) / W >= 8 ? 8 : (d_len - x0) / W) {
-      case 1: pv_rows<1>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
-      case 2: pv_rows<2>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
-      case 3: pv_rows<3>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
-      case 4: pv_rows<4>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
-      case 5: pv_rows<5>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
-      case 6: pv_rows<6>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
-      case 7: pv_rows<7>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
-      default: pv_rows<8>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
+      case 1: pv_rows<1>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
+      case 2: pv_rows<2>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
+      case 3: pv_rows<3>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
+      case 4: pv_rows<4>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
+      case 5: pv_rows<5>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
+      case 6: pv_rows<6>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
+      case 7: pv_rows<7>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
+      default: pv_rows<8>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
     }
   }
 }
@@ -366,8 +371,14 @@ void attend_rows(const TileState& st, int64_t kb, const int64_t* offsets, const 
       int64_t rb = 0;
       for (; rb + RV * W <= rows_pad; rb += RV * W)
         score_rows_block<RV, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, st.probs + j * rows_pad + rb);
-      for (; rb < rows_pad; rb += W)
-        score_rows_block<1, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, st.probs + j * rows_pad + rb);
+      static_assert(RV == 4, "the remainder below is 1 to 3 registers of rows");
+      float* scores = st.probs + j * rows_pad + rb;
+      switch ((rows_pad - rb) / W) {  // the rest as one block: enough independent chains
+        case 3: score_rows_block<3, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, scores); break;
+        case 2: score_rows_block<2, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, scores); break;
+        case 1: score_rows_block<1, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, scores); break;
+        default: break;
+      }
     }
   }
   for (int64_t rb = 0; rb < rows_pad; rb += W) {  // W rows at a time; masked scores never count
@@ -386,14 +397,20 @@ void attend_rows(const TileState& st, int64_t kb, const int64_t* offsets, const 
     // rescale of the earlier sum and output; 0 where there was none yet (their values are 0)
     const vf alpha = old_max > splat(kNegInf) ? vexp(old_max - new_max) : vf{};
     vf part[W];  // part[l]: keys l, l + W, l + 2W, ... summed in that order (see hsum_tree)
-    for (int64_t j = 0; j < BK; ++j) {
-      const vi k_pos = vi{} + static_cast<int32_t>(kb + j);
-      float* pj = st.probs + j * rows_pad + rb;
-      const vf pv = (k_pos >= lo) & (k_pos <= hi) & seen ? vexp(load(pj) - new_max) : vf{};
-      store(pj, pv);
-      part[j % W] = j < W ? pv : part[j % W] + pv;
+    for (int64_t jv = 0; jv < NV; ++jv) {
+#pragma GCC unroll 16
+      for (int64_t l = 0; l < W; ++l) {  // unrolled: part[] stays in registers
+        const int64_t j = jv * W + l;
+        const vi k_pos = vi{} + static_cast<int32_t>(kb + j);
+        float* pj = st.probs + j * rows_pad + rb;
+        const vf pv = (k_pos >= lo) & (k_pos <= hi) & seen ? vexp(load(pj) - new_max) : vf{};
+        store(pj, pv);
+        part[l] = jv == 0 ? pv : part[l] + pv;
+      }
     }
+#pragma GCC unroll 8
     for (int64_t h = W / 2; h >= 1; h /= 2)
+#pragma GCC unroll 8
       for (int64_t l = 0; l < h; ++l) part[l] = part[l] + part[l + h];
     store(st.row_sum + rb, fmadd(load(st.row_sum + rb), alpha, part[0]));
     store(st.row_max + rb, new_max);
@@ -410,18 +427,27 @@ void attend_keys(const TileState& st, int64_t kb, const int64_t* offsets, const 
   const int64_t d_len = st.d_len, rows = st.rows;
   const float* k_rows[BK];
   tile_rows(st, kb, offsets, k_rows, v_rows);
+  // A decode reads each K/V row once: memory bounds it, and prefetches spread over the work
+  // keep it busy. V rows go ahead beside the K loads of the same keys, the next key tile's K
+  // rows beside P . V.
+  const float* next_k[BK];
+  for (int64_t j = 0; j < BK; ++j) {
+    const int64_t p = kb + BK + j;
+    next_k[j] = p >= st.first && p <= st.last ? st.k_cache + offsets[BK + j] : nullptr;
+  }
   for (int64_t jb0 = 0; jb0 < BK; jb0 += KB) {
-    for (int64_t jb = jb0; jb < jb0 + KB; jb += W) {
-      // K and V rows W keys ahead, a block at a time (a decode reads each row once: memory
-      // latency is what bounds it)
-      prefetch_rows(st, kb, offsets, jb + W, jb + 2 * W);
+    for (int64_t jb = jb0; jb < jb0 + KB; jb += W)
       for (int64_t d0 = 0; d0 < d_len; d0 += W) {
         vf m[W];  // keys jb .. jb + W - 1, dims d0 .. d0 + W - 1; then transposed
-        for (int64_t i = 0; i < W; ++i) m[i] = load(k_rows[jb + i] + d0);
-        transpose(m);
+#pragma GCC unroll 16
+        for (int64_t i = 0; i < W; ++i) {
+          m[i] = load(k_rows[jb + i] + d0);
+          if (d0 % 16 == 0 && v_rows[jb + i] != nullptr) __builtin_prefetch(v_rows[jb + i] + d0);
+        }
+        transpose<0>(m);
+#pragma GCC unroll 16
         for (int64_t i = 0; i < W; ++i) store(st.kt + (d0 + i) * KB + jb - jb0, m[i]);
       }
-    }
     int64_t r = 0;
     for (; r + KR <= rows; r += KR) score_keys_block<KR>(st.q_buf + r * d_len, d_len, st.kt, st.probs + r * BK + jb0);
     if (r < rows) score_keys_tail<KR>(st.q_buf + r * d_len, d_len, st.kt, st.probs + r * BK + jb0, rows - r);
@@ -454,7 +480,7 @@ void attend_keys(const TileState& st, int64_t kb, const int64_t* offsets, const 
     st.alpha[r] = alpha;
   }
   rescale_rows(st);
-  accumulate_pv(st.probs, BK, 1, v_rows, st.acc, d_len, rows);
+  accumulate_pv(st.probs, BK, 1, v_rows, st.acc, d_len, rows, next_k);
 }
 
 // Folds a row's state over one partition (max m, sum s, unnormalized output o [D]) into its
@@ -565,7 +591,15 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
         ++block;
       }
     }
-    if (kb == kb_first) prefetch_rows(st, kb, offsets, 0, keys_across ? W : kPrefetchKeys);
+    if (kb == kb_first) {  // the first rows (keys across lanes: the first key tile's K rows)
+      if (keys_across) {
+        for (int64_t j = 0; j < BK && kb + j <= last; ++j)
+          if (kb + j >= first)
+            for (int64_t x = 0; x < d_len; x += 16) __builtin_prefetch(k_cache + offsets[j] + x);
+      } else {
+        prefetch_rows(st, kb, offsets, 0, kPrefetchKeys);
+      }
+    }
     if (keys_across)
       attend_keys(st, kb, offsets, v_rows);
     else
