@@ -140,3 +140,114 @@ def test_long_chunk_spans_tiles(num_heads: int, num_kv_heads: int, window: int |
     q = 2 * torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)  # [T, H, D]
     expected = naive_attention(q, k_cache, v_cache, meta, head_dim**-0.5)  # [T, H, D]
     torch.testing.assert_close(fused(q, k_cache, v_cache, meta, window), expected, atol=ATOL, rtol=0)
+
+
+# --- chunking invariance: a row's output is a function of its position and the cache alone ---
+
+CHUNK_LEN = 1200  # crosses key tiles (64) and partitions (256) many times
+# How one sequence's CHUNK_LEN queries arrive, as query lengths per step (1: a decode). Every
+# chunking must give each position the rows the whole prompt gives it, bit for bit.
+CHUNKINGS = {
+    "cycle": [1, 2, 3, 7, 16, 64, 200],  # repeated until the sequence ends
+    "cycle_shifted": [5, 200, 64, 16, 7, 3, 2, 1],
+    "sixteens": [16],
+    "prompt_then_decodes": [1000] + [1] * 200,
+    "decodes_from_70": [70] + [1] * 1130,  # every position as a decode, across every boundary
+}
+
+
+def chunk_sizes(name: str, total: int = CHUNK_LEN) -> list[int]:
+    sizes, pattern, i = [], CHUNKINGS[name], 0
+    while sum(sizes) < total:
+        sizes.append(min(pattern[i % len(pattern)], total - sum(sizes)))
+        i += 1
+    return sizes
+
+
+def chunked_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: list[int], block_size: int,
+                 sizes: list[int], window: int | None, companion: tuple[torch.Tensor, list[int], int] | None = None
+                 ) -> torch.Tensor:
+    """The sequence's rows [L, H, D] computed chunk by chunk (the caches already hold every K/V:
+    a query never reads past its own position). `companion` (q_row [1, H, D], block table,
+    context): a decode of another sequence beside every chunk, placed first."""
+    from backfill.model.attention import build_attention_metadata
+
+    rows, offset = [], 0
+    for n in sizes:
+        computed, lens, tables, qs = [offset], [n], [table], [q[offset:offset + n]]
+        if companion is not None:
+            computed, lens, tables, qs = [companion[2]] + computed, [1] + lens, [companion[1]] + tables, \
+                [companion[0]] + qs
+        _, meta = build_attention_metadata(computed, lens, tables, block_size, torch.device("cpu"), window,
+                                           plan_torch_attention=False)
+        out = fused(torch.cat(qs), k_cache, v_cache, meta, window)  # [T, H, D]
+        rows.append(out[-n:])
+        offset += n
+    return torch.cat(rows)  # [L, H, D]
+
+
+def chunking_case(num_heads: int, num_kv_heads: int, head_dim: int, window: int | None, seed: int = 0):
+    """q [L, H, D] of one CHUNK_LEN sequence, caches holding all its K/V (and a companion's)."""
+    block_size = 16
+    num_blocks = 2 * -(-CHUNK_LEN // block_size) + 4
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)  # [blocks, bs, Hkv, D]
+    perm = torch.randperm(num_blocks, generator=gen).tolist()  # scattered blocks
+    table, other = perm[:num_blocks // 2], perm[num_blocks // 2:]
+    q = 2 * torch.randn(CHUNK_LEN, num_heads, head_dim, generator=gen)  # [L, H, D]
+    companion = (torch.randn(1, num_heads, head_dim, generator=gen), other, 777)
+    return q, k_cache, v_cache, table, block_size, companion
+
+
+CHUNK_SHAPES = [(4, 4, 16), (9, 3, 64), (8, 1, 64), (6, 2, 128)]  # (H, Hkv, D): MHA, the default model's, MQA, wide
+
+
+@pytest.mark.parametrize("window", [None, 100, 300])  # 100: not tile-aligned; 300: longer than a partition
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), CHUNK_SHAPES)
+def test_chunking_invariant(num_heads: int, num_kv_heads: int, head_dim: int, window: int | None) -> None:
+    """Whole prompt vs chunks of 1..200 tokens at shifting offsets vs prompt-then-decodes, with
+    and without a companion decode: every position's rows are bit-identical."""
+    q, k_cache, v_cache, table, block_size, companion = chunking_case(num_heads, num_kv_heads, head_dim, window)
+    whole = chunked_rows(q, k_cache, v_cache, table, block_size, [CHUNK_LEN], window)  # [L, H, D]
+    for i, name in enumerate(sorted(CHUNKINGS)):
+        got = chunked_rows(q, k_cache, v_cache, table, block_size, chunk_sizes(name), window,
+                           companion if i % 2 else None)
+        differ = (got != whole).any(dim=2).any(dim=1).nonzero().flatten().tolist()  # positions
+        assert not differ, f"{name}: {len(differ)} positions differ from the whole prompt, first {differ[:8]}"
+
+
+def test_chunked_matches_naive() -> None:
+    """The invariant arithmetic is still attention: the whole prompt and the decodes against naive."""
+    from backfill.model.attention import build_attention_metadata
+
+    q, k_cache, v_cache, table, block_size, _ = chunking_case(9, 3, 64, 300)
+    for computed, n in ((0, CHUNK_LEN), (CHUNK_LEN - 1, 1)):
+        _, meta = build_attention_metadata([computed], [n], [table], block_size, torch.device("cpu"), 300)
+        rows = q[computed:computed + n]  # [n, H, D]
+        expected = naive_attention(rows, k_cache, v_cache, meta, 64**-0.5)  # [n, H, D]
+        torch.testing.assert_close(fused(rows, k_cache, v_cache, meta, 300), expected, atol=ATOL, rtol=0)
+
+
+def check_chunking_lower_isa() -> None:
+    """Run by test_chunking_invariant_lower_isa in a subprocess with BACKFILL_ISA set."""
+    for shape in CHUNK_SHAPES[:2]:
+        for window in (None, 100):
+            test_chunking_invariant(*shape, window)
+    print(kernels.extension().isa())
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_chunking_invariant_lower_isa(isa: str) -> None:
+    """The AVX2 and baseline kernels (an AVX2-only EPYC, an old CPU) are chunking-invariant too."""
+    import os
+    import subprocess
+    import sys
+
+    if isa == "avx2" and kernels.extension().isa() == "scalar":
+        pytest.skip("this CPU has no AVX2")
+    env = {**os.environ, "BACKFILL_ISA": isa}
+    code = "from tests.kernels.test_attention_cpu import check_chunking_lower_isa; check_chunking_lower_isa()"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == isa

@@ -176,11 +176,71 @@ def test_thread_count_invariant() -> None:
         assert torch.equal(one, many), f"step {i} differs between 1 and {max(2, threads)} threads"
 
 
+def split(total: int, pattern: list[int]) -> list[int]:
+    """Step sizes covering `total` tokens: `pattern` repeated, the last step cut to fit."""
+    sizes: list[int] = []
+    while sum(sizes) < total:
+        sizes.append(min(pattern[len(sizes) % len(pattern)], total - sum(sizes)))
+    return sizes
+
+
+def run_sequence(decoder: CpuDecoder, tokens: list[int], sizes: list[int], seed: int, companion: bool,
+                 greedy: int = 0) -> tuple[list[int], dict[int, torch.Tensor]]:
+    """Feeds request x's `tokens` as steps of `sizes` tokens, then `greedy` more tokens one decode
+    at a time, each the argmax of the last logits; beside another request's decodes (placed first
+    or last by turns) when `companion`. Returns x's tokens and its logits [vocab] at the last
+    position of every step, by position."""
+    gen = torch.Generator().manual_seed(seed)
+    driver = PagedDriver(decoder, num_blocks=160, block_size=8, seed=seed)
+    if companion:
+        driver.step([("y", torch.randint(0, 101, (37,), generator=gen).tolist())])
+    tokens, logits, done = list(tokens), {}, 0
+    for i, n in enumerate(sizes + [1] * greedy):
+        if done == len(tokens):
+            tokens.append(int(logits[done - 1].argmax()))
+        batch = [("x", tokens[done:done + n])]
+        if companion:
+            batch.insert(i % 2, ("y", torch.randint(0, 101, (1,), generator=gen).tolist()))
+        rows = driver.step(batch)  # [S, vocab]
+        done += n
+        logits[done - 1] = rows[[r for r, _ in batch].index("x")]
+    return tokens, logits
+
+
+def check_preempted_recompute(name: str) -> None:
+    """A preempted request is recomputed later: its prompt and the tokens it had generated come
+    back as prompt chunks (one, or many of any size), then it decodes on. Its logits at every
+    position the runs share are bit-identical to the uninterrupted run's (prompt in chunks of 16
+    beside decodes, then one decode a token), and so its greedy tokens."""
+    model = tiny_model(name, max_position_embeddings=512)
+    decoder = CpuDecoder.from_dense(model)
+    gen = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, 101, (230,), generator=gen).tolist()
+    num_new = 40  # the decodes cross position 256, a key partition
+    tokens, original = run_sequence(decoder, prompt, split(len(prompt), [16]), seed=1, companion=True,
+                                    greedy=num_new)
+    assert len(tokens) == len(prompt) + num_new
+    for preempted_after, pattern in [(1, [1000]), (17, [16]), (33, [1, 2, 3, 7, 16, 64, 200]), (39, [100, 1, 5])]:
+        recomputed = len(prompt) + preempted_after
+        again, logits = run_sequence(decoder, tokens[:recomputed], split(recomputed, pattern), seed=preempted_after,
+                                     companion=preempted_after % 2 == 1, greedy=num_new - preempted_after)
+        assert again == tokens, f"preempted after {preempted_after}: greedy tokens differ"
+        for pos in sorted(set(logits) & set(original)):
+            assert torch.equal(logits[pos], original[pos]), f"preempted after {preempted_after}: position {pos}"
+
+
+@pytest.mark.parametrize("name", ["gqa2_hd16", "sliding_window", "qwen2_bias_hd64"])
+def test_preempted_recompute_matches(name: str) -> None:
+    check_preempted_recompute(name)
+
+
 def check_lower_isa() -> None:
     """Run by test_lower_isa in a subprocess with BACKFILL_ISA set: the dense comparison again."""
     model = tiny_model("qwen2_bias_hd64")
     decoder = CpuDecoder.from_dense(model)
     run_twins(model, decoder, token_batches(101, seed=2))
+    check_preempted_recompute("sliding_window")
+    check_preempted_recompute("qwen2_bias_hd64")
     print(decoder.kernels)
 
 

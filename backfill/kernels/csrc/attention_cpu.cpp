@@ -1,16 +1,17 @@
 // Paged attention of one step on the CPU: the step's sequences cut into tiles (a decode is one
-// tile; a prompt chunk one tile per attention_tile_queries(G) tokens, per KV head), run over torch's
-// intra-op pool with dynamic scheduling. Shared by the fused decoder and its own binding.
+// tile; a prompt chunk one tile per attention_tile_queries(G) tokens, per KV head; a small tile
+// over a long context one per key partition), run over torch's intra-op pool with dynamic
+// scheduling. Shared by the fused decoder and its own binding.
 #include "attention_cpu.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
+#include <utility>
+#include <vector>
 
 #include "qgemm.h"
 
@@ -31,12 +32,19 @@ const DecoderKernels& attention_kernels(int64_t head_dim) {
   return decoder_kernels_sse();
 }
 
+// Query tiles of at most this many rows (tokens x G) whose keys span several partitions are cut
+// into one tile per partition: a decode or a short chunk over a long context then spreads over
+// every thread even at batch 1. A choice of work split only: the rows' arithmetic is the same
+// cut or not (see fused_kernels.h), so any policy keeps the invariant.
+constexpr int64_t kSplitMaxRows = 128;
+
 void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int64_t num_blocks) {
   tiles.clear();
   splits.clear();
-  int64_t num_partials = 0;
-  std::vector<size_t> partial_tiles;  // tiles of split decodes, in partition order
-  const int64_t num_seqs = meta.num_seqs;
+  max_rows = 0;
+  int64_t num_partial_floats = 0;
+  std::vector<std::pair<size_t, int64_t>> partial_tiles;  // (tile, offset in partials) of cut tiles
+  const int64_t num_seqs = meta.num_seqs, part_keys = kAttentionPartitionKeys;
   TORCH_CHECK(meta.query_start[0] == 0, "query_start[0] must be 0");
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_begin = meta.query_start[s], num_q = meta.query_start[s + 1] - q_begin;
@@ -48,33 +56,33 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
     for (int64_t b = 0; b < blocks_needed; ++b)
       TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", s, ": block id ", table[b], " out of range");
     const int64_t pos0 = seq_len - num_q, tile_queries = attention_tile_queries(shape.group);
-    const int64_t first_key = shape.window > 0 ? std::max<int64_t>(0, pos0 - shape.window + 1) : 0;
-    const int64_t num_parts = num_q == 1 ? pos0 / kDecodeSplitKeys - first_key / kDecodeSplitKeys + 1 : 1;
-    if (num_parts > 1) {  // a long decode: one tile per aligned key run, combined at the end of run()
+    for (int64_t i = 0; i < num_q; i += tile_queries) {
+      const int64_t n = std::min(tile_queries, num_q - i), pos = pos0 + i, end = pos + n;
+      // keys [first_key, end): from the window's start of the tile's first query
+      const int64_t first_key = shape.window > 0 ? std::max<int64_t>(0, pos - shape.window + 1) : 0;
+      const int64_t num_parts = (end - 1) / part_keys - first_key / part_keys + 1;
+      const int64_t rows = n * shape.group, partial_floats = rows * (shape.head_dim + 2);
+      max_rows = std::max(max_rows, rows);
       for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
-        splits.push_back({q_begin, h, num_partials, num_parts});
+        const AttentionTile whole{q_begin + i, pos, n, h, table, first_key, end, nullptr};
+        if (num_parts == 1 || rows > kSplitMaxRows) {
+          tiles.push_back(whole);
+          continue;
+        }
+        splits.push_back({whole, num_partial_floats, num_parts});
         for (int64_t part = 0; part < num_parts; ++part) {
-          const int64_t begin = std::max(first_key, (first_key / kDecodeSplitKeys + part) * kDecodeSplitKeys);
-          const int64_t end = std::min(seq_len, (first_key / kDecodeSplitKeys + part + 1) * kDecodeSplitKeys);
-          partial_tiles.push_back(tiles.size());  // its partial buffer is assigned once all are counted
-          tiles.push_back({q_begin, pos0, 1, h, table, begin, end, nullptr});
-          ++num_partials;
+          const int64_t begin = std::max(first_key, (first_key / part_keys + part) * part_keys);
+          const int64_t stop = std::min(end, (first_key / part_keys + part + 1) * part_keys);
+          partial_tiles.emplace_back(tiles.size(), num_partial_floats);  // pointer set once all are counted
+          tiles.push_back({q_begin + i, pos, n, h, table, begin, stop, nullptr});
+          num_partial_floats += partial_floats;
         }
       }
-      continue;
-    }
-    for (int64_t i = 0; i < num_q; i += tile_queries) {
-      const int64_t n = std::min(tile_queries, num_q - i);
-      for (int64_t h = 0; h < shape.num_kv_heads; ++h)
-        tiles.push_back({q_begin + i, pos0 + i, n, h, table, 0, pos0 + i + n, nullptr});
     }
   }
   TORCH_CHECK(meta.query_start[num_seqs] == meta.num_tokens, "query_start[-1] must equal the number of tokens");
-  const int64_t partial_floats = shape.group * (shape.head_dim + 2);
-  if (static_cast<int64_t>(partials.size()) < num_partials * partial_floats)
-    partials.resize(static_cast<size_t>(num_partials * partial_floats));
-  for (size_t k = 0; k < partial_tiles.size(); ++k)
-    tiles[partial_tiles[k]].partial = partials.data() + static_cast<int64_t>(k) * partial_floats;
+  if (static_cast<int64_t>(partials.size()) < num_partial_floats) partials.resize(static_cast<size_t>(num_partial_floats));
+  for (const auto& [tile, offset] : partial_tiles) tiles[tile].partial = partials.data() + offset;
   // Longest first, so that the dynamic schedule ends with small tiles (order never changes a
   // tile's arithmetic).
   auto cost = [&](const AttentionTile& t) {
@@ -89,7 +97,7 @@ void AttentionPlan::run(const DecoderKernels& kernels, const AttentionShape& sha
                         const float* k_cache, const float* v_cache, float* out, int64_t ldo) {
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
-  const int64_t per_worker = kernels.attention_scratch(shape);
+  const int64_t per_worker = kernels.attention_scratch(shape, max_rows);
   if (static_cast<int64_t>(scratch.size()) < num_workers * per_worker)
     scratch.resize(static_cast<size_t>(num_workers * per_worker));
   std::atomic<int64_t> next{0};
@@ -101,27 +109,12 @@ void AttentionPlan::run(const DecoderKernels& kernels, const AttentionShape& sha
         kernels.attention_tile(shape, tiles[static_cast<size_t>(i)], q, ldq, k_cache, v_cache, out, ldo, mine);
     }
   });
-  // Split decodes: out = sum_p w_p acc_p / sum_p w_p sum_p, w_p = exp(max_p - max), in position order.
-  const int64_t d_len = shape.head_dim, partial_floats = shape.group * (d_len + 2);
-  for (const Split& split : splits) {
-    const float* parts = partials.data() + split.first_partial * partial_floats;  // [parts, G, D + 2]
-    for (int64_t g = 0; g < shape.group; ++g) {
-      float* dst = out + split.token * ldo + (split.kv_head * shape.group + g) * d_len;  // [D]
-      float row_max = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < split.num_parts; ++p)
-        row_max = std::max(row_max, parts[p * partial_floats + g * (d_len + 2) + d_len]);
-      float denom = 0.0f;
-      for (int64_t x = 0; x < d_len; ++x) dst[x] = 0.0f;
-      for (int64_t p = 0; p < split.num_parts; ++p) {
-        const float* part = parts + p * partial_floats + g * (d_len + 2);  // [D + 2]
-        if (part[d_len + 1] == 0.0f) continue;  // the partition held no key of this row
-        const float w = std::exp(part[d_len] - row_max);
-        denom += w * part[d_len + 1];
-        for (int64_t x = 0; x < d_len; ++x) dst[x] += w * part[x];
-      }
-      for (int64_t x = 0; x < d_len; ++x) dst[x] /= denom;
+  at::parallel_for(0, static_cast<int64_t>(splits.size()), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Split& split = splits[static_cast<size_t>(i)];
+      kernels.attention_combine(shape, split.tile, partials.data() + split.first_partial, split.num_parts, out, ldo);
     }
-  }
+  });
 }
 
 }  // namespace backfill

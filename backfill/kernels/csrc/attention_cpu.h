@@ -28,17 +28,18 @@ struct StepMeta {
 // The step's attention work list, built once per step (checked against the cache size) and
 // run once per layer. Holds the per-worker scratch between steps.
 struct AttentionPlan {
-  // A decode split into key partitions: its tiles' partial results, in position order.
+  // A tile cut at partition boundaries (kAttentionPartitionKeys) into `num_parts` tiles whose
+  // partials are folded in position order once all have run.
   struct Split {
-    int64_t token;
-    int64_t kv_head;
-    int64_t first_partial;  // index of its first partition in `partials` (rows x (D + 2) floats each)
+    AttentionTile tile;     // the uncut tile (token, num_q, kv_head: where its rows go)
+    int64_t first_partial;  // offset in `partials` of its first partition's [rows, D + 2] floats
     int64_t num_parts;
   };
   std::vector<AttentionTile> tiles;
   std::vector<Split> splits;
-  std::vector<float> partials;  // [partitions, G, D + 2]
-  std::vector<float> scratch;   // [workers, attention_scratch(shape)]
+  std::vector<float> partials;  // per split: [num_parts, rows, D + 2]
+  std::vector<float> scratch;   // [workers, attention_scratch(shape, max_rows)]
+  int64_t max_rows = 0;         // the most rows (query tokens x G) of any tile
 
   void build(const StepMeta& meta, const AttentionShape& shape, int64_t num_blocks);
   // out[t, h, :] for every token t and query head h (q, out: [T, H * D] rows of stride ldq, ldo).

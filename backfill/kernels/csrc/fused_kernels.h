@@ -21,8 +21,9 @@ struct AttentionShape {
 
 // One unit of attention work: up to attention_tile_queries(group) consecutive query tokens of one
 // sequence against one KV head (all `group` query heads of it), over the keys the queries see
-// within [key_begin, key_end). A long decode is split into key partitions (see
-// kDecodeSplitKeys) whose unnormalized results go to `partial` and are combined afterwards.
+// within [key_begin, key_end). A tile may be cut into its key partitions (see
+// kAttentionPartitionKeys), each writing its rows' per-partition state to `partial`, folded
+// afterwards by attention_combine in position order.
 struct AttentionTile {
   int64_t token;  // flat-batch row of the first query
   int64_t pos;    // its position in the sequence (the rows after it are pos + 1, pos + 2, ...)
@@ -31,20 +32,33 @@ struct AttentionTile {
   const int64_t* block_table;  // the sequence's block ids (covers positions 0 .. pos + num_q - 1)
   int64_t key_begin;  // first key position visited (0: from the start, or the window's start)
   int64_t key_end;    // one past the last key position visited (pos + num_q: up to the causal limit)
-  // null: write the normalized output rows. Else rows x (D + 2) floats: for each row r = i * G + g
-  // its unnormalized output [D], then its running max and sum (a key partition of a decode).
+  // null: write the normalized output rows. Else rows x (D + 2) floats (row r = i * G + g): the
+  // row's unnormalized output [D], then its max and sum over [key_begin, key_end), which must
+  // lie within one partition.
   float* partial;
 };
 
-// A decode whose keys span more than one aligned run of this many positions is split into
-// those runs (one task each, combined in position order): a long context's attention spreads
-// over every thread even at batch 1. A function of positions only (batch invariant).
-constexpr int64_t kDecodeSplitKeys = 256;
+// THE INVARIANT: a query row's output is a function of (its q, its position, its window, the
+// cached K/V) alone: bit-identical whether it arrives as a decode, inside a prompt chunk of any
+// length and offset, alone or batched, on any thread count (for a given kernel table). Every
+// row runs the same per-row arithmetic on its own SIMD lane (rows of a tile across lanes, no
+// lane ever reads another), over a key structure fixed by absolute positions:
+//   - key tiles [64 k, 64 k + 64): scores q . k as one fma chain over d = 0 .. D - 1; one
+//     online-softmax update (max, exp, rescale, sum over the tile's keys in key order); then
+//     P . V as one fma chain per output element over the tile's keys in key order;
+//   - partitions [256 m, 256 m + 256): each starts a fresh softmax state; the partitions'
+//     states are folded in position order (attention_fold) and normalized at the end.
+// Keys a row does not see (causal, window, or outside the tile's range) are masked to p = 0:
+// their terms add exact zeros, so a row visiting more keys than it sees (a chunk's other rows
+// need them) computes what it computes alone. The one trace is the sign of an all-zero output
+// element, canonicalized to +0 when rows are written.
+// Partitions also let a long decode (or short chunk) spread over threads: cutting a tile at
+// partition boundaries changes only where the fold runs, never its operands.
+constexpr int64_t kAttentionPartitionKeys = 256;
 
-// Query tokens per tile: a decode is a tile of one; a prompt chunk is cut into tiles of this
-// many tokens (a function of the model alone, so a sequence's arithmetic never depends on its
-// companions). Up to 128 tokens x G heads share each K/V tile read (and its transposition),
-// capped at ~512 rows so a tile's scratch stays in L2.
+// Query tokens per tile: a prompt chunk is cut into tiles of this many tokens (how a chunk is
+// cut never changes a row's arithmetic; see above). Up to 128 tokens x G heads share each K/V
+// tile read, capped at ~512 rows so a tile's scratch stays in L2.
 constexpr int64_t kAttentionTileQueries = 128;
 constexpr int64_t kAttentionTileRows = 512;
 // NOTE: static (internal linkage): an inline function here would be compiled per ISA unit and
@@ -55,16 +69,23 @@ static constexpr int64_t attention_tile_queries(int64_t group) {
 }
 // Keys per inner tile: one online-softmax update (max, exp, rescale) per row per 64 keys.
 constexpr int64_t kAttentionTileKeys = 64;
+static_assert(kAttentionPartitionKeys % kAttentionTileKeys == 0, "a partition is whole key tiles");
 
 struct DecoderKernels {
   const char* name;
   int64_t lanes;  // SIMD width W in floats; attention_tile needs head_dim % lanes == 0
-  // floats of per-thread scratch attention_tile needs for tiles of up to attention_tile_queries
-  int64_t (*attention_scratch)(const AttentionShape& shape);
+  // floats of per-thread scratch attention_tile needs for tiles of up to max_rows rows (query
+  // tokens x G; at most attention_tile_queries(G) * G)
+  int64_t (*attention_scratch)(const AttentionShape& shape, int64_t max_rows);
   // out rows (token .. token + num_q) x heads of kv_head = softmax(q k^T * scale) v, causal
   // (and windowed) by position. q: row t at q + t * ldq, heads [H][D]; out likewise with ldo.
   void (*attention_tile)(const AttentionShape& shape, const AttentionTile& tile, const float* q, int64_t ldq,
                          const float* k_cache, const float* v_cache, float* out, int64_t ldo, float* scratch);
+  // The out rows of a tile cut into `num_parts` partition tiles, from their partials
+  // [num_parts, rows, D + 2] (in position order): the same fold and normalization as an uncut
+  // tile runs.
+  void (*attention_combine)(const AttentionShape& shape, const AttentionTile& tile, const float* partials,
+                            int64_t num_parts, float* out, int64_t ldo);
   // y[n] = x[n] / sqrt(mean(x^2) + eps) * w[n] (statistics in fp32, fixed summation order)
   void (*rms_norm)(const float* x, const float* w, float eps, int64_t n, float* y);
   // y[n] = silu(gate[n]) * up[n]

@@ -31,50 +31,77 @@ inline float hsum(vf v) {  // fixed left-to-right order
   for (int64_t i = 1; i < W; ++i) s += v[i];
   return s;
 }
-// Lane permutations i -> i ^ h for h = W/2, W/4, ..., 1 (constants: built at compile time).
-struct SwapMasks {
-  int32_t lanes[5][W];
-  constexpr SwapMasks() : lanes{} {
+// Lane permutations i -> i ^ h for h = W/2, W/4, ..., 1, and the two-register shuffles of a
+// W x W transposition (constants: built at compile time).
+struct LaneMasks {
+  int32_t swap[5][W];
+  int32_t low[5][W];   // stage h: row i (bit h clear) keeps its lanes without bit h, takes row i + h's
+  int32_t high[5][W];  // stage h: row i + h takes row i's lanes with bit h, keeps its own
+  constexpr LaneMasks() : swap{}, low{}, high{} {
     for (int64_t k = 0, h = W / 2; h >= 1; ++k, h /= 2)
-      for (int64_t i = 0; i < W; ++i) lanes[k][i] = static_cast<int32_t>(i ^ h);
+      for (int64_t i = 0; i < W; ++i) {
+        swap[k][i] = static_cast<int32_t>(i ^ h);
+        low[k][i] = static_cast<int32_t>(i & h ? W + i - h : i);
+        high[k][i] = static_cast<int32_t>(i & h ? W + i : i + h);
+      }
   }
 };
-constexpr SwapMasks kSwapMasks{};
+constexpr LaneMasks kLaneMasks{};
 
-inline float hsum_tree(vf v) {  // pairwise: log2(W) shuffles and adds
+// Lanes summed as a butterfly: lane 0 ends as ((v0 + v8) + (v4 + v12)) + ... for W = 16.
+inline float hsum_tree(vf v) {
   for (int64_t k = 0, h = W / 2; h >= 1; ++k, h /= 2) {
     vi swap;
-    __builtin_memcpy(&swap, kSwapMasks.lanes[k], sizeof swap);
+    __builtin_memcpy(&swap, kLaneMasks.swap[k], sizeof swap);
     v += __builtin_shuffle(v, swap);
   }
   return v[0];
 }
-inline float hmax(vf v) {
+inline float hmax(vf v) {  // exact in any order
   float m = v[0];
   for (int64_t i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
   return m;
-}
-// 1 / d to ~2 ulp: the ISA's estimate and one Newton step, a fraction of a division's cost
-inline vf reciprocal(vf d) {
-  const vf r = rcp_estimate(d);
-  return r * (splat(2.0f) - d * r);
 }
 inline vi iota() {
   vi v;
   for (int64_t i = 0; i < W; ++i) v[i] = static_cast<int32_t>(i);
   return v;
 }
-
+// m[i][l] <- m[l][i]: log2(W) stages, stage K (H = W >> (K + 1)) swapping the off-diagonal
+// H x H blocks of every 2H x 2H block, one two-register shuffle per register. Templates and
+// constant indices only, so that m and the masks stay in registers.
+template <int64_t K>
+inline void transpose(vf* m) {
+  constexpr int64_t H = W >> (K + 1);
+  vi low, high;
+  __builtin_memcpy(&low, kLaneMasks.low[K], sizeof low);
+  __builtin_memcpy(&high, kLaneMasks.high[K], sizeof high);
+#pragma GCC unroll 16
+  for (int64_t p = 0; p < W / 2; ++p) {
+    const int64_t i = p / H * 2 * H + p % H;  // the rows with bit H clear
+    const vf a = m[i], b = m[i + H];
+    m[i] = __builtin_shuffle(a, b, low);
+    m[i + H] = __builtin_shuffle(a, b, high);
+  }
+  if constexpr (H > 1) transpose<K + 1>(m);
+}
+// 1 / d to ~2 ulp: the ISA's estimate and one Newton step, a fraction of a division's cost
+inline vf reciprocal(vf d) {
+  const vf r = rcp_estimate(d);
+  return r * (splat(2.0f) - d * r);
+}
 // exp(x), Cephes' expf polynomial (~1 ulp over the clamped range). x is clamped to [-86, 88]
 // so that 2^n stays a normal float: callers that need exact zeros (masked scores) select them.
 inline vf vexp(vf x) {
   x = x < splat(-86.0f) ? splat(-86.0f) : x;
   x = x > splat(88.0f) ? splat(88.0f) : x;
   const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const vf t = x * splat(1.44269504088896341f) + magic;
+  // NOTE: every multiply-add spelled as fmadd: GCC would otherwise choose per expression
+  // whether to fuse it (-ffp-contract=fast), and both attention layouts must round alike.
+  const vf t = fmadd(x, splat(1.44269504088896341f), magic);
   const vf n = t - magic;  // round(x / ln 2)
-  vf r = x - n * splat(0.693359375f);
-  r = r - n * splat(-2.12194440e-4f);
+  vf r = fmadd(n, splat(-0.693359375f), x);
+  r = fmadd(n, splat(2.12194440e-4f), r);
   vf p = splat(1.9875691500e-4f);
   p = fmadd(p, r, splat(1.3981999507e-3f));
   p = fmadd(p, r, splat(8.3334519073e-3f));
@@ -118,32 +145,48 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* y) {
 
 // Accumulator registers a register block may hold (AVX-512 has 32 vector registers, others 16).
 constexpr int64_t kAccRegs = W >= 16 ? 16 : 8;
-// Tiles of at most this many rows (query tokens x G) compute scores key by key.
-constexpr int64_t kDirectRows = 8;
-// How far ahead (in keys) K/V rows are prefetched.
+// How far ahead (in keys) rows across lanes prefetch K/V rows (keys across lanes: a key tile).
 constexpr int64_t kPrefetchKeys = 16;
-// Score blocks of the row-vectorized path: KJ keys x RV registers of rows.
+// Tiles of at most this many rows (query tokens x G: decodes, chunks of a token or two) put
+// keys across the lanes, larger ones rows. A speed choice only: both layouts run each row's
+// arithmetic alike (see "Two layouts" below).
+constexpr int64_t kKeyLaneRows = 8;
+// Rows across lanes: score blocks of KJ keys x RV registers of rows (KJ1 keys when the tile is
+// one register of rows, so that enough independent FMA chains are in flight).
 constexpr int64_t KJ = W >= 16 ? 4 : 2;
+constexpr int64_t KJ1 = W >= 16 ? 8 : 4;
 constexpr int64_t RV = 4;
+// Keys across lanes: score blocks of KR rows x KV registers of keys; K^T is built one such
+// block of keys at a time ([D, KV * W] floats: small, so that it does not evict the tile's K/V
+// rows from L1).
+constexpr int64_t KR = 4;
+constexpr int64_t KV = 2;
+constexpr int64_t KB = KV * W;
+static_assert(NV % KV == 0, "a key tile is whole key blocks");
+constexpr int64_t PK = kAttentionPartitionKeys;
 
 inline int64_t padded_rows(int64_t rows) { return (rows + W - 1) / W * W; }
 
-int64_t attention_scratch(const AttentionShape& s) {
-  const int64_t rows = padded_rows(attention_tile_queries(s.group) * s.group), d = s.head_dim;
-  // O [rows, D] | max, sum, alpha [rows] | Q [rows, D] | P [BK, rows] | lo, hi [rows] int32 | zeros [D]
-  return rows * d + 3 * rows + rows * d + BK * rows + 2 * rows + d;
+int64_t attention_scratch(const AttentionShape& s, int64_t max_rows) {
+  const int64_t rows = padded_rows(max_rows), d = s.head_dim;
+  // O, folded O [rows, D] | max, sum, alpha, folded max, folded sum [rows] | Q [rows, D] |
+  // P [BK, rows] | K^T [D, KB] | lo, hi [rows] int32 | zeros [D]
+  return 2 * rows * d + 5 * rows + rows * d + BK * rows + d * KB + 2 * rows + d;
 }
 
 // o[r][x0 : x0 + DV*W] += sum_j p[r, j] * v_rows[j][x0 : x0 + DV*W] for NR rows (p[r, j] at
 // p + r * p_row + j * p_key): the rows' slices of O stay in registers over the key tile, each
-// V load feeds NR FMAs.
+// V load feeds NR FMAs. Per output element one fma chain over the tile's keys in key order.
+// ahead (null: none): rows of d_len floats to prefetch, ahead[j] (if not null) beside key j.
 template <int64_t DV, int64_t NR>
 inline void pv_block(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t x0, float* o,
-                     int64_t d_len) {
+                     int64_t d_len, const float* const* ahead) {
   vf acc[NR][DV];
   for (int64_t r = 0; r < NR; ++r)
     for (int64_t x = 0; x < DV; ++x) acc[r][x] = load(o + r * d_len + x0 + x * W);
   for (int64_t j = 0; j < BK; ++j) {
+    if (ahead != nullptr && ahead[j] != nullptr)
+      for (int64_t x = 0; x < d_len; x += 16) __builtin_prefetch(ahead[j] + x);
     if (v_rows[j] == nullptr) continue;  // outside the tile's key range: p is 0 for every row
     vf v[DV];
     for (int64_t x = 0; x < DV; ++x) v[x] = load(v_rows[j] + x0 + x * W);
@@ -156,51 +199,106 @@ inline void pv_block(const float* p, int64_t p_row, int64_t p_key, const float* 
     for (int64_t x = 0; x < DV; ++x) store(o + r * d_len + x0 + x * W, acc[r][x]);
 }
 
-template <int64_t DV>
-inline void pv_rows(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t x0, float* o,
-                    int64_t d_len, int64_t rows) {
-  constexpr int64_t NR = kAccRegs / DV > 0 ? kAccRegs / DV : 1;
-  int64_t r = 0;
-  for (; r + NR <= rows; r += NR) pv_block<DV, NR>(p + r * p_row, p_row, p_key, v_rows, x0, o + r * d_len, d_len);
-  for (; r < rows; ++r) pv_block<DV, 1>(p + r * p_row, p_row, p_key, v_rows, x0, o + r * d_len, d_len);
+// The last n (1 <= n <= N) rows as one block.
+template <int64_t DV, int64_t N>
+inline void pv_tail(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t x0, float* o,
+                    int64_t d_len, int64_t n, const float* const* ahead) {
+  if constexpr (N > 1) {
+    if (n < N) return pv_tail<DV, N - 1>(p, p_row, p_key, v_rows, x0, o, d_len, n, ahead);
+  }
+  pv_block<DV, N>(p, p_row, p_key, v_rows, x0, o, d_len, ahead);
 }
 
-// O[rows, D] += P . V tile, D cut into slices of at most 8 registers.
+template <int64_t DV>
+inline void pv_rows(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t x0, float* o,
+                    int64_t d_len, int64_t rows, const float* const* ahead) {
+  constexpr int64_t NR = kAccRegs / DV > 0 ? kAccRegs / DV : 1;
+  int64_t r = 0;
+  for (; r + NR <= rows; r += NR, ahead = nullptr)
+    pv_block<DV, NR>(p + r * p_row, p_row, p_key, v_rows, x0, o + r * d_len, d_len, ahead);
+  if (r < rows) pv_tail<DV, NR>(p + r * p_row, p_row, p_key, v_rows, x0, o + r * d_len, d_len, rows - r, ahead);
+}
+
+// O[rows, D] += P . V tile, D cut into slices of at most 8 registers; the rows `ahead` are
+// prefetched once, spread over the first block's keys.
 inline void accumulate_pv(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, float* o,
-                          int64_t d_len, int64_t rows) {
-  for (int64_t x0 = 0; x0 < d_len; x0 += 8 * W) {
+                          int64_t d_len, int64_t rows, const float* const* ahead = nullptr) {
+  for (int64_t x0 = 0; x0 < d_len; x0 += 8 * W, ahead = nullptr) {
     switch ((d_len - x0) / W >= 8 ? 8 : (d_len - x0) / W) {
-      case 1: pv_rows<1>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
-      case 2: pv_rows<2>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
-      case 3: pv_rows<3>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
-      case 4: pv_rows<4>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
-      case 5: pv_rows<5>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
-      case 6: pv_rows<6>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
-      case 7: pv_rows<7>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
-      default: pv_rows<8>(p, p_row, p_key, v_rows, x0, o, d_len, rows); break;
+      case 1: pv_rows<1>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
+      case 2: pv_rows<2>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
+      case 3: pv_rows<3>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
+      case 4: pv_rows<4>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
+      case 5: pv_rows<5>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
+      case 6: pv_rows<6>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
+      case 7: pv_rows<7>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
+      default: pv_rows<8>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
     }
   }
 }
 
-// scores[j][rb : rb + NRV*W] = K[j] . Q^T for KJ keys x NRV registers of rows.
-template <int64_t NRV>
-inline void score_block(const float* qt, int64_t rows_pad, const float* const* k_rows, int64_t d_len, float* scores) {
-  vf acc[KJ][NRV];
-  for (int64_t j = 0; j < KJ; ++j)
+// --- Two layouts, one arithmetic ---
+// Every row r and key j of a key tile [kb, kb + BK) go through, in either layout:
+//   s = fma chain over d = 0 .. D - 1 of q'[r, d] * k[j, d], from 0 (q' = q * scale);
+//   p = exp(s - new_max) where the row sees the key, else 0 (new_max = max(old max, the tile's
+//   seen scores), alpha = exp(old max - new_max), 0 before the row's first key);
+//   tile_sum = sum_j p as the butterfly of hsum_tree over the lane sums
+//   t_l = ((p[l] + p[l + W]) + p[l + 2W]) + ...; row_sum = fma(row_sum, alpha, tile_sum);
+//   O[r] *= alpha (unless 1); O[r, x] = fma chain over the tile's keys of p * v[j, x].
+// Rows across lanes (attend_rows) does each step as one lane of a row register; keys across
+// lanes (attend_keys) as one lane of a key register, with the row's scalars broadcast. Every
+// operation is lane-wise and IEEE (fma is exact-then-round, commutative in its factors), so
+// a row gets the same bits from both.
+
+// scores[j][rb : rb + NRV*W] = K[j] . Q^T for NJ keys x NRV registers of rows.
+template <int64_t NRV, int64_t NJ>
+inline void score_rows_block(const float* qt, int64_t rows_pad, const float* const* k_rows, int64_t d_len,
+                             float* scores) {
+  vf acc[NJ][NRV];
+  for (int64_t j = 0; j < NJ; ++j)
     for (int64_t v = 0; v < NRV; ++v) acc[j][v] = vf{};
   for (int64_t d = 0; d < d_len; ++d) {
     vf qv[NRV];
     for (int64_t v = 0; v < NRV; ++v) qv[v] = load(qt + d * rows_pad + v * W);
-    for (int64_t j = 0; j < KJ; ++j) {
+    for (int64_t j = 0; j < NJ; ++j) {
       const vf k = splat(k_rows[j][d]);
       for (int64_t v = 0; v < NRV; ++v) acc[j][v] = fmadd(k, qv[v], acc[j][v]);
     }
   }
-  for (int64_t j = 0; j < KJ; ++j)
+  for (int64_t j = 0; j < NJ; ++j)
     for (int64_t v = 0; v < NRV; ++v) store(scores + j * rows_pad + v * W, acc[j][v]);
 }
 
-// Everything one tile's key walk needs.
+// scores[r][0 : KB] = Q[r] . K^T for NR rows x KV registers of keys (kt: K^T [D, KB]; scores:
+// [NR, BK] at the block's first key).
+template <int64_t NR>
+inline void score_keys_block(const float* q, int64_t d_len, const float* kt, float* scores) {
+  vf acc[NR][KV];
+  for (int64_t r = 0; r < NR; ++r)
+    for (int64_t v = 0; v < KV; ++v) acc[r][v] = vf{};
+  for (int64_t d = 0; d < d_len; ++d) {
+    vf k[KV];
+    for (int64_t v = 0; v < KV; ++v) k[v] = load(kt + d * KB + v * W);
+    for (int64_t r = 0; r < NR; ++r) {
+      const vf qr = splat(q[r * d_len + d]);
+      for (int64_t v = 0; v < KV; ++v) acc[r][v] = fmadd(qr, k[v], acc[r][v]);
+    }
+  }
+  for (int64_t r = 0; r < NR; ++r)
+    for (int64_t v = 0; v < KV; ++v) store(scores + r * BK + v * W, acc[r][v]);
+}
+
+// The last n (1 <= n <= N) rows as one block.
+template <int64_t N>
+inline void score_keys_tail(const float* q, int64_t d_len, const float* kt, float* scores, int64_t n) {
+  if constexpr (N > 1) {
+    if (n < N) return score_keys_tail<N - 1>(q, d_len, kt, scores, n);
+  }
+  score_keys_block<N>(q, d_len, kt, scores);
+}
+
+// Everything one tile's key walk needs. Per row: the state of the current partition (acc,
+// row_max, row_sum) and of the partitions folded so far (folded_*).
 struct TileState {
   const AttentionShape& s;
   const AttentionTile& t;
@@ -208,107 +306,80 @@ struct TileState {
   const float* v_cache;
   int64_t d_len, group, rows, rows_pad;
   int64_t first, last;  // key positions visited
-  float* acc;           // [rows_pad, D] unnormalized output
+  float* acc;           // [rows, D] unnormalized output over the partition's keys so far
   float* row_max;       // [rows_pad]
   float* row_sum;       // [rows_pad]
   float* alpha;         // [rows_pad] this key tile's rescale factors
-  float* q_buf;         // direct: Q [rows, D]; row-vectorized: Q^T [D, rows_pad] (both scaled)
-  float* probs;         // direct: [rows, BK]; row-vectorized: [BK, rows_pad]
-  int32_t* lo;          // [rows_pad] first key position each row sees (row-vectorized path)
+  float* folded_acc;    // [rows, D] unnormalized output over the folded partitions
+  float* folded_max;    // [rows_pad]
+  float* folded_sum;    // [rows_pad]
+  float* q_buf;         // scaled; keys across lanes: Q [rows, D]; rows across lanes: Q^T [D, rows_pad]
+  float* probs;         // keys across lanes: [rows, BK]; rows across lanes: [BK, rows_pad]
+  float* kt;            // keys across lanes: K^T [D, KB] of one score block
+  int32_t* lo;          // [rows_pad] first key position each row sees
   int32_t* hi;          // [rows_pad] last
   const float* zeros;   // [D]
 };
 
-// Few rows (decodes): each key's dot products in place, the online softmax row by row.
-void attend_direct(const TileState& st, int64_t kb, const int64_t* offsets, const float** v_rows) {
-  const int64_t d_len = st.d_len, rows = st.rows;
+// k_rows[j] / v_rows[j]: key kb + j's K / V rows (zeros / null where no row sees it, and so
+// never read).
+void tile_rows(const TileState& st, int64_t kb, const int64_t* offsets, const float** k_rows, const float** v_rows) {
   for (int64_t j = 0; j < BK; ++j) {
     const int64_t p = kb + j;
-    if (p < st.first || p > st.last) {  // never read: no row sees it (its score is masked below)
-      v_rows[j] = nullptr;
-      continue;
-    }
-    const float* k_row = st.k_cache + offsets[j];
-    v_rows[j] = st.v_cache + offsets[j];
-    if (p + kPrefetchKeys <= st.last) {  // K and V rows a few keys ahead: hide memory latency
-      const int64_t ahead = offsets[j + kPrefetchKeys];
-      for (int64_t x = 0; x < d_len; x += 16) {
-        __builtin_prefetch(st.k_cache + ahead + x);
-        __builtin_prefetch(st.v_cache + ahead + x);
-      }
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* qr = st.q_buf + r * d_len;
-      vf dot{};
-      for (int64_t x = 0; x < d_len; x += W) dot = fmadd(load(qr + x), load(k_row + x), dot);
-      st.probs[r * BK + j] = hsum_tree(dot);
-    }
+    const bool seen = p >= st.first && p <= st.last;
+    k_rows[j] = seen ? st.k_cache + offsets[j] : st.zeros;
+    v_rows[j] = seen ? st.v_cache + offsets[j] : nullptr;
   }
-  for (int64_t r = 0; r < rows; ++r) {  // mask by position, then the online-softmax update
-    const int64_t q_pos_all = st.t.pos + r / st.group;  // the row sees [lo, q_pos] of the visited keys
-    const int64_t q_pos = q_pos_all < st.last ? q_pos_all : st.last;
-    const int64_t lo =
-        st.s.window > 0 && q_pos_all - st.s.window + 1 > st.first ? q_pos_all - st.s.window + 1 : st.first;
-    float* pr = st.probs + r * BK;
-    vf sc[NV];
-    vi valid[NV];
-    vf vmax = splat(kNegInf);
-    for (int64_t v = 0; v < NV; ++v) {
-      const vi k_pos = iota() + static_cast<int32_t>(kb + v * W);
-      valid[v] = (k_pos >= vi{} + static_cast<int32_t>(lo)) & (k_pos <= vi{} + static_cast<int32_t>(q_pos));
-      sc[v] = valid[v] ? load(pr + v * W) : splat(kNegInf);
-      vmax = sc[v] > vmax ? sc[v] : vmax;
-    }
-    const float tile_max = hmax(vmax);
-    if (tile_max == kNegInf) {  // this row sees no key of the tile
-      for (int64_t j = 0; j < BK; ++j) pr[j] = 0.0f;
-      continue;
-    }
-    const float old_max = st.row_max[r];
-    const float new_max = old_max > tile_max ? old_max : tile_max;
-    vf vsum{};
-    for (int64_t v = 0; v < NV; ++v) {
-      const vf pv = valid[v] ? vexp(sc[v] - splat(new_max)) : vf{};
-      store(pr + v * W, pv);
-      vsum += pv;
-    }
-    if (old_max != new_max && old_max != kNegInf) {
-      const float alpha = vexp(splat(old_max - new_max))[0];
-      st.row_sum[r] *= alpha;
-      float* o = st.acc + r * d_len;
-      for (int64_t x = 0; x < d_len; x += W) store(o + x, load(o + x) * splat(alpha));
-    }
-    st.row_sum[r] += hsum(vsum);
-    st.row_max[r] = new_max;
-  }
-  accumulate_pv(st.probs, BK, 1, v_rows, st.acc, d_len, rows);
 }
 
-// Many rows (prompt chunks): scores as K . Q^T with the rows across SIMD lanes (K rows are read
-// in place, Q was transposed once per tile), the online softmax W rows at a time.
-void attend_row_vectorized(const TileState& st, int64_t kb, const int64_t* offsets, const float** v_rows) {
+// K and V rows of keys kb + j, j in [begin, end), into the cache ahead of use.
+// NOTE: always_inline: as a function of its own GCC finds it pure (prefetches write nothing)
+// and, as it returns nothing, deletes every call.
+__attribute__((always_inline)) inline void prefetch_rows(const TileState& st, int64_t kb, const int64_t* offsets, int64_t begin, int64_t end) {
+  for (int64_t j = begin; j < end && kb + j <= st.last; ++j)
+    if (kb + j >= st.first)
+      for (int64_t x = 0; x < st.d_len; x += 16) {
+        __builtin_prefetch(st.k_cache + offsets[j] + x);
+        __builtin_prefetch(st.v_cache + offsets[j] + x);
+      }
+}
+
+// O[r] *= alpha[r] for the rows whose running max rose this key tile.
+void rescale_rows(const TileState& st) {
+  for (int64_t r = 0; r < st.rows; ++r) {
+    const float a = st.alpha[r];
+    if (a == 1.0f) continue;
+    float* o = st.acc + r * st.d_len;
+    for (int64_t x = 0; x < st.d_len; x += W) store(o + x, load(o + x) * splat(a));
+  }
+}
+
+// Rows across lanes (prompt chunks): scores as K . Q^T (K rows read in place, Q transposed
+// once per tile), the online softmax W rows at a time.
+void attend_rows(const TileState& st, int64_t kb, const int64_t* offsets, const float** v_rows) {
   const int64_t d_len = st.d_len, rows_pad = st.rows_pad;
   const float* k_rows[BK];
-  for (int64_t j = 0; j < BK; ++j) {
-    const int64_t p = kb + j;
-    if (p < st.first || p > st.last) {
-      k_rows[j] = st.zeros;
-      v_rows[j] = nullptr;
-      continue;
+  tile_rows(st, kb, offsets, k_rows, v_rows);
+  // this tile's rows past the first few (prefetched by the tile before) and the next's first:
+  // prompt chunks are compute-bound, a short distance suffices
+  prefetch_rows(st, kb, offsets, kPrefetchKeys, BK + kPrefetchKeys);
+  if (rows_pad == W) {
+    for (int64_t j = 0; j < BK; j += KJ1)
+      score_rows_block<1, KJ1>(st.q_buf, W, k_rows + j, d_len, st.probs + j * W);
+  } else {
+    for (int64_t j = 0; j < BK; j += KJ) {
+      int64_t rb = 0;
+      for (; rb + RV * W <= rows_pad; rb += RV * W)
+        score_rows_block<RV, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, st.probs + j * rows_pad + rb);
+      static_assert(RV == 4, "the remainder below is 1 to 3 registers of rows");
+      float* scores = st.probs + j * rows_pad + rb;
+      switch ((rows_pad - rb) / W) {  // the rest as one block: enough independent chains
+        case 3: score_rows_block<3, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, scores); break;
+        case 2: score_rows_block<2, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, scores); break;
+        case 1: score_rows_block<1, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, scores); break;
+        default: break;
+      }
     }
-    k_rows[j] = st.k_cache + offsets[j];
-    v_rows[j] = st.v_cache + offsets[j];
-    for (int64_t x = 0; x < d_len; x += 16) {  // this tile's V and the next keys' K, ahead of use
-      if (p + kPrefetchKeys <= st.last) __builtin_prefetch(st.k_cache + offsets[j + kPrefetchKeys] + x);
-      __builtin_prefetch(v_rows[j] + x);
-    }
-  }
-  for (int64_t j = 0; j < BK; j += KJ) {
-    int64_t rb = 0;
-    for (; rb + RV * W <= rows_pad; rb += RV * W)
-      score_block<RV>(st.q_buf + rb, rows_pad, k_rows + j, d_len, st.probs + j * rows_pad + rb);
-    for (; rb < rows_pad; rb += W)
-      score_block<1>(st.q_buf + rb, rows_pad, k_rows + j, d_len, st.probs + j * rows_pad + rb);
   }
   for (int64_t rb = 0; rb < rows_pad; rb += W) {  // W rows at a time; masked scores never count
     vi lo, hi;
@@ -325,90 +396,194 @@ void attend_row_vectorized(const TileState& st, int64_t kb, const int64_t* offse
     const vi seen = new_max > splat(kNegInf);  // rows that have seen a key (else p stays 0)
     // rescale of the earlier sum and output; 0 where there was none yet (their values are 0)
     const vf alpha = old_max > splat(kNegInf) ? vexp(old_max - new_max) : vf{};
-    vf tile_sum{};
-    for (int64_t j = 0; j < BK; ++j) {
-      const vi k_pos = vi{} + static_cast<int32_t>(kb + j);
-      float* pj = st.probs + j * rows_pad + rb;
-      const vf pv = (k_pos >= lo) & (k_pos <= hi) & seen ? vexp(load(pj) - new_max) : vf{};
-      store(pj, pv);
-      tile_sum += pv;
+    vf part[W];  // part[l]: keys l, l + W, l + 2W, ... summed in that order (see hsum_tree)
+    for (int64_t jv = 0; jv < NV; ++jv) {
+#pragma GCC unroll 16
+      for (int64_t l = 0; l < W; ++l) {  // unrolled: part[] stays in registers
+        const int64_t j = jv * W + l;
+        const vi k_pos = vi{} + static_cast<int32_t>(kb + j);
+        float* pj = st.probs + j * rows_pad + rb;
+        const vf pv = (k_pos >= lo) & (k_pos <= hi) & seen ? vexp(load(pj) - new_max) : vf{};
+        store(pj, pv);
+        part[l] = jv == 0 ? pv : part[l] + pv;
+      }
     }
-    store(st.row_sum + rb, load(st.row_sum + rb) * alpha + tile_sum);
+#pragma GCC unroll 8
+    for (int64_t h = W / 2; h >= 1; h /= 2)
+#pragma GCC unroll 8
+      for (int64_t l = 0; l < h; ++l) part[l] = part[l] + part[l + h];
+    store(st.row_sum + rb, fmadd(load(st.row_sum + rb), alpha, part[0]));
     store(st.row_max + rb, new_max);
     store(st.alpha + rb, alpha);
   }
-  for (int64_t r = 0; r < st.rows; ++r) {
-    const float a = st.alpha[r];
-    if (a == 1.0f) continue;
-    float* o = st.acc + r * d_len;
-    for (int64_t x = 0; x < d_len; x += W) store(o + x, load(o + x) * splat(a));
-  }
+  rescale_rows(st);
   accumulate_pv(st.probs, 1, rows_pad, v_rows, st.acc, d_len, st.rows);
 }
 
+// Keys across lanes (decodes): the key tile's K transposed (W x W blocks through registers)
+// into K^T a score block at a time, each row's scores as NV registers of keys, its softmax
+// row by row.
+void attend_keys(const TileState& st, int64_t kb, const int64_t* offsets, const float** v_rows) {
+  const int64_t d_len = st.d_len, rows = st.rows;
+  const float* k_rows[BK];
+  tile_rows(st, kb, offsets, k_rows, v_rows);
+  // A decode reads each K/V row once: memory bounds it, and prefetches spread over the work
+  // keep it busy. V rows go ahead beside the K loads of the same keys, the next key tile's K
+  // rows beside P . V.
+  const float* next_k[BK];
+  for (int64_t j = 0; j < BK; ++j) {
+    const int64_t p = kb + BK + j;
+    next_k[j] = p >= st.first && p <= st.last ? st.k_cache + offsets[BK + j] : nullptr;
+  }
+  for (int64_t jb0 = 0; jb0 < BK; jb0 += KB) {
+    for (int64_t jb = jb0; jb < jb0 + KB; jb += W)
+      for (int64_t d0 = 0; d0 < d_len; d0 += W) {
+        vf m[W];  // keys jb .. jb + W - 1, dims d0 .. d0 + W - 1; then transposed
+#pragma GCC unroll 16
+        for (int64_t i = 0; i < W; ++i) {
+          m[i] = load(k_rows[jb + i] + d0);
+          if (d0 % 16 == 0 && v_rows[jb + i] != nullptr) __builtin_prefetch(v_rows[jb + i] + d0);
+        }
+        transpose<0>(m);
+#pragma GCC unroll 16
+        for (int64_t i = 0; i < W; ++i) store(st.kt + (d0 + i) * KB + jb - jb0, m[i]);
+      }
+    int64_t r = 0;
+    for (; r + KR <= rows; r += KR) score_keys_block<KR>(st.q_buf + r * d_len, d_len, st.kt, st.probs + r * BK + jb0);
+    if (r < rows) score_keys_tail<KR>(st.q_buf + r * d_len, d_len, st.kt, st.probs + r * BK + jb0, rows - r);
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // mask by position, then the online-softmax update
+    float* pr = st.probs + r * BK;
+    const vi lo = vi{} + st.lo[r], hi = vi{} + st.hi[r];
+    vf sc[NV];
+    vi valid[NV];
+    vf vmax = splat(kNegInf);
+    for (int64_t v = 0; v < NV; ++v) {
+      const vi k_pos = iota() + static_cast<int32_t>(kb + v * W);
+      valid[v] = (k_pos >= lo) & (k_pos <= hi);
+      sc[v] = valid[v] ? load(pr + v * W) : splat(kNegInf);
+      vmax = sc[v] > vmax ? sc[v] : vmax;
+    }
+    const float tile_max = hmax(vmax);
+    const float old_max = st.row_max[r];
+    const float new_max = old_max > tile_max ? old_max : tile_max;
+    const vi seen = vi{} + (new_max > kNegInf ? -1 : 0);
+    const float alpha = old_max > kNegInf ? vexp(splat(old_max - new_max))[0] : 0.0f;
+    vf sum{};
+    for (int64_t v = 0; v < NV; ++v) {
+      const vf pv = valid[v] & seen ? vexp(sc[v] - splat(new_max)) : vf{};
+      store(pr + v * W, pv);
+      sum = v == 0 ? pv : sum + pv;
+    }
+    st.row_sum[r] = fmadd(splat(st.row_sum[r]), splat(alpha), splat(hsum_tree(sum)))[0];
+    st.row_max[r] = new_max;
+    st.alpha[r] = alpha;
+  }
+  rescale_rows(st);
+  accumulate_pv(st.probs, BK, 1, v_rows, st.acc, d_len, rows, next_k);
+}
+
+// Folds a row's state over one partition (max m, sum s, unnormalized output o [D]) into its
+// state over the partitions before it (*fm, *fs, fo [D]); partitions come in position order. A
+// partition where the row saw no key (m = -inf) changes nothing; the first one it saw is copied.
+// NOTE: noinline: the one compiled copy serves both the tile walk and attention_combine.
+__attribute__((noinline)) void fold_row(float m, float s, const float* o, float* fm, float* fs, float* fo,
+                                        int64_t d_len) {
+  if (m == kNegInf) return;
+  if (*fm == kNegInf) {
+    *fm = m;
+    *fs = s;
+    for (int64_t x = 0; x < d_len; x += W) store(fo + x, load(o + x));
+    return;
+  }
+  const float new_max = *fm > m ? *fm : m;
+  const vf a = vexp(splat(*fm - new_max)), b = vexp(splat(m - new_max));  // every lane alike
+  *fs = fmadd(splat(*fs), a, splat(s) * b)[0];
+  for (int64_t x = 0; x < d_len; x += W) store(fo + x, fmadd(load(fo + x), a, load(o + x) * b));
+  *fm = new_max;
+}
+
+// dst[D] = o / sum, an all-zero element's sign canonicalized to +0 (x + 0 is x, and +0 for -0):
+// a masked key's fma(0, v, -0) could otherwise turn one into the other (see fused_kernels.h).
+inline void write_row(const float* o, float sum, float* dst, int64_t d_len) {
+  const vf denom = splat(sum);  // > 0: every query sees at least its own key
+  for (int64_t x = 0; x < d_len; x += W) store(dst + x, load(o + x) / denom + splat(0.0f));
+}
+
+// The tile's partition state folded, then reset for the next partition.
+void end_partition(const TileState& st) {
+  for (int64_t r = 0; r < st.rows; ++r)
+    fold_row(st.row_max[r], st.row_sum[r], st.acc + r * st.d_len, st.folded_max + r, st.folded_sum + r,
+             st.folded_acc + r * st.d_len, st.d_len);
+  for (int64_t r = 0; r < st.rows_pad; ++r) {
+    st.row_max[r] = kNegInf;
+    st.row_sum[r] = 0.0f;
+  }
+  for (int64_t x = 0; x < st.rows * st.d_len; ++x) st.acc[x] = 0.0f;
+}
+
 // Flash-attention style: the tile's rows (query token i, head g -> row i * G + g) walk the
-// sequence's keys in tiles of BK absolute positions, with an online softmax in fp32. Every
-// sum runs in a fixed order that depends only on this sequence and head (batch invariance).
+// sequence's keys in tiles of BK absolute positions, an online softmax in fp32 per partition of
+// PK absolute positions, the partitions folded in order (see the invariant in fused_kernels.h).
 void attention_tile(const AttentionShape& s, const AttentionTile& t, const float* q, int64_t ldq,
                     const float* k_cache, const float* v_cache, float* out, int64_t ldo, float* scratch) {
   const int64_t d_len = s.head_dim, group = s.group, rows = t.num_q * group, rows_pad = padded_rows(rows);
-  const bool direct = rows <= kDirectRows;
+  const bool keys_across = rows <= kKeyLaneRows;
   // keys visited: the tile's key range within the rows' causal (and windowed) reach
   const int64_t reach_last = t.pos + t.num_q - 1;
   const int64_t reach_first = s.window > 0 && t.pos - s.window + 1 > 0 ? t.pos - s.window + 1 : 0;
   const int64_t last = t.key_end - 1 < reach_last ? t.key_end - 1 : reach_last;
   const int64_t first = t.key_begin > reach_first ? t.key_begin : reach_first;
   float* acc = scratch;
-  float* row_max = acc + rows_pad * d_len;
+  float* folded_acc = acc + rows_pad * d_len;
+  float* row_max = folded_acc + rows_pad * d_len;
   float* row_sum = row_max + rows_pad;
   float* alpha = row_sum + rows_pad;
-  float* q_buf = alpha + rows_pad;
+  float* folded_max = alpha + rows_pad;
+  float* folded_sum = folded_max + rows_pad;
+  float* q_buf = folded_sum + rows_pad;
   float* probs = q_buf + rows_pad * d_len;
-  int32_t* lo = reinterpret_cast<int32_t*>(probs + BK * rows_pad);
+  float* kt = probs + BK * rows_pad;
+  int32_t* lo = reinterpret_cast<int32_t*>(kt + d_len * KB);
   int32_t* hi = lo + rows_pad;
   float* zeros = reinterpret_cast<float*>(hi + rows_pad);
-  const TileState st{s, t, k_cache, v_cache, d_len, group, rows, rows_pad, first, last,
-                     acc, row_max, row_sum, alpha, q_buf, probs, lo, hi, zeros};
+  const TileState st{s,          t,          k_cache, v_cache, d_len, group, rows, rows_pad, first,
+                     last,       acc,        row_max, row_sum, alpha, folded_acc, folded_max,
+                     folded_sum, q_buf,      probs,   kt,      lo,    hi,    zeros};
 
-  const vf scale = splat(s.scale);
   for (int64_t i = 0; i < t.num_q; ++i) {
     const float* src = q + (t.token + i) * ldq + t.kv_head * group * d_len;  // [G, D]
-    if (direct) {
-      for (int64_t x = 0; x < group * d_len; x += W) store(q_buf + i * group * d_len + x, load(src + x) * scale);
-    } else {
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < d_len; ++d) q_buf[d * rows_pad + i * group + g] = src[g * d_len + d] * s.scale;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = i * group + g;
+      for (int64_t d = 0; d < d_len; ++d)
+        q_buf[keys_across ? r * d_len + d : d * rows_pad + r] = src[g * d_len + d] * s.scale;
     }
   }
   for (int64_t r = 0; r < rows_pad; ++r) {
-    row_max[r] = kNegInf;
-    row_sum[r] = 0.0f;
-    const int64_t q_pos_all = t.pos + r / group;  // padded rows: empty range, never counted
+    row_max[r] = folded_max[r] = kNegInf;
+    row_sum[r] = folded_sum[r] = 0.0f;
+    // the row sees [lo, hi] of the visited keys: its causal (and windowed) reach, narrowed to
+    // the tile's key range (only a partition tile's is narrower); padded rows: an empty range
+    const int64_t q_pos_all = t.pos + r / group;
     const int64_t q_pos = r < rows ? (q_pos_all < last ? q_pos_all : last) : -1;
     lo[r] = static_cast<int32_t>(s.window > 0 && q_pos_all - s.window + 1 > first ? q_pos_all - s.window + 1 : first);
     hi[r] = static_cast<int32_t>(q_pos);
-    if (!direct && r >= rows)
+    if (!keys_across && r >= rows)
       for (int64_t d = 0; d < d_len; ++d) q_buf[d * rows_pad + r] = 0.0f;
   }
-  for (int64_t x = 0; x < rows_pad * d_len; ++x) acc[x] = 0.0f;
+  for (int64_t x = 0; x < rows * d_len; ++x) acc[x] = 0.0f;
   for (int64_t d = 0; d < d_len; ++d) zeros[d] = 0.0f;
 
   const int64_t kv_stride = s.num_kv_heads * d_len;  // floats from one token to the next
   const float* v_rows[BK];
-  // offsets[j]: floats from the cache start to this head's row of position kb + j, for the
-  // tile and kPrefetchKeys beyond (walked block by block: no division per key)
-  int64_t offsets[BK + kPrefetchKeys];
-  for (int64_t p = first; p < first + kPrefetchKeys && p <= last; ++p) {  // the first rows, ahead of use
-    const int64_t offset = (t.block_table[p / s.block_size] * s.block_size + p % s.block_size) * kv_stride +
-                           t.kv_head * d_len;
-    for (int64_t x = 0; x < d_len; x += 16) {
-      __builtin_prefetch(k_cache + offset + x);
-      __builtin_prefetch(v_cache + offset + x);
-    }
-  }
-  for (int64_t kb = first / BK * BK; kb <= last; kb += BK) {
+  // offsets[j]: floats from the cache start to this head's row of position kb + j, for this
+  // key tile and the next (walked block by block: no division per key)
+  int64_t offsets[2 * BK];
+  const int64_t kb_first = first / BK * BK;
+  for (int64_t kb = kb_first; kb <= last; kb += BK) {
+    if (kb % PK == 0 && kb != kb_first) end_partition(st);
     int64_t block = kb / s.block_size, in_block = kb % s.block_size;
-    const int64_t end = last + 1 - kb < BK + kPrefetchKeys ? last + 1 - kb : BK + kPrefetchKeys;
+    const int64_t end = last + 1 - kb < 2 * BK ? last + 1 - kb : 2 * BK;
     for (int64_t j = 0; j < end; ++j) {
       offsets[j] = (t.block_table[block] * s.block_size + in_block) * kv_stride + t.kv_head * d_len;
       if (++in_block == s.block_size) {
@@ -416,13 +591,22 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
         ++block;
       }
     }
-    if (direct)
-      attend_direct(st, kb, offsets, v_rows);
+    if (kb == kb_first) {  // the first rows (keys across lanes: the first key tile's K rows)
+      if (keys_across) {
+        for (int64_t j = 0; j < BK && kb + j <= last; ++j)
+          if (kb + j >= first)
+            for (int64_t x = 0; x < d_len; x += 16) __builtin_prefetch(k_cache + offsets[j] + x);
+      } else {
+        prefetch_rows(st, kb, offsets, 0, kPrefetchKeys);
+      }
+    }
+    if (keys_across)
+      attend_keys(st, kb, offsets, v_rows);
     else
-      attend_row_vectorized(st, kb, offsets, v_rows);
+      attend_rows(st, kb, offsets, v_rows);
   }
 
-  if (t.partial != nullptr) {  // a key partition: leave the combination to the caller
+  if (t.partial != nullptr) {  // one partition of a cut tile: attention_combine folds it
     for (int64_t r = 0; r < rows; ++r) {
       float* dst = t.partial + r * (d_len + 2);  // [D + 2]
       for (int64_t x = 0; x < d_len; x += W) store(dst + x, load(acc + r * d_len + x));
@@ -431,17 +615,32 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
     }
     return;
   }
+  end_partition(st);
   for (int64_t i = 0; i < t.num_q; ++i) {
     float* dst = out + (t.token + i) * ldo + t.kv_head * group * d_len;  // [G, D]
     for (int64_t g = 0; g < group; ++g) {
       const int64_t r = i * group + g;
-      const vf denom = splat(row_sum[r]);  // > 0: every query sees at least its own key
-      for (int64_t x = 0; x < d_len; x += W) store(dst + g * d_len + x, load(acc + r * d_len + x) / denom);
+      write_row(folded_acc + r * d_len, folded_sum[r], dst + g * d_len, d_len);
     }
   }
 }
 
-const DecoderKernels kTable = {BF_NAME, W, attention_scratch, attention_tile, rms_norm, silu_mul};
+void attention_combine(const AttentionShape& s, const AttentionTile& t, const float* partials, int64_t num_parts,
+                       float* out, int64_t ldo) {
+  const int64_t d_len = s.head_dim, group = s.group, rows = t.num_q * group;
+  for (int64_t r = 0; r < rows; ++r) {
+    // the output row holds the folded output until it is normalized in place
+    float* dst = out + (t.token + r / group) * ldo + (t.kv_head * group + r % group) * d_len;  // [D]
+    float folded_max = kNegInf, folded_sum = 0.0f;
+    for (int64_t p = 0; p < num_parts; ++p) {
+      const float* part = partials + (p * rows + r) * (d_len + 2);  // [D + 2]
+      fold_row(part[d_len], part[d_len + 1], part, &folded_max, &folded_sum, dst, d_len);
+    }
+    write_row(dst, folded_sum, dst, d_len);
+  }
+}
+
+const DecoderKernels kTable = {BF_NAME, W, attention_scratch, attention_tile, attention_combine, rms_norm, silu_mul};
 
 }  // namespace
 
