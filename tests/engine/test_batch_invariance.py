@@ -51,9 +51,16 @@ def test_alone_vs_batched_chunked_prefill(workload, alone) -> None:
     _check_together(llm, workload, alone)
 
 
+def test_alone_vs_batched_small_prompt_budget(workload, alone) -> None:
+    """Prompts chunked by the prompt budget beside decoding streams (chunks of 1-3 tokens)."""
+    llm = LLM(dtype="float32", max_num_seqs=32, prefill_budget=3)
+    _check_together(llm, workload, alone)
+
+
 def test_alone_vs_batched_with_preemption(workload, alone) -> None:
-    # 40 blocks of 16 tokens cannot hold 32 requests of ~30-200 tokens at once.
-    llm = LLM(dtype="float32", max_num_seqs=32, max_num_batched_tokens=256, num_kv_blocks=40)
+    # 40 blocks of 16 tokens cannot hold 32 requests of ~30-200 tokens at once. No prompt
+    # budget: prompts are admitted as fast as the token budget allows, so the pool overflows.
+    llm = LLM(dtype="float32", max_num_seqs=32, max_num_batched_tokens=256, num_kv_blocks=40, prefill_budget=0)
     _check_together(llm, workload, alone)
     assert llm.engine.num_preemptions_total > 0
 
