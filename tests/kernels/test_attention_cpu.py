@@ -152,7 +152,7 @@ CHUNKINGS = {
     "cycle_shifted": [5, 200, 64, 16, 7, 3, 2, 1],
     "sixteens": [16],
     "prompt_then_decodes": [1000] + [1] * 200,
-    "decodes_from_70": [70] + [1] * 1130,  # every position as a decode, across every boundary
+    "decodes_from_70": [70] + [1] * 250 + [880],  # decodes across tiles 128, 192, 256 (a partition), 320
 }
 
 

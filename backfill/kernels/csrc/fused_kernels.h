@@ -36,6 +36,7 @@ struct AttentionTile {
   // row's unnormalized output [D], then its max and sum over [key_begin, key_end), which must
   // lie within one partition.
   float* partial;
+  int64_t split;  // partition tiles: the caller's index of the tile they were cut from; else -1
 };
 
 // THE INVARIANT: a query row's output is a function of (its q, its position, its window, the
