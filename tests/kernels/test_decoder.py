@@ -1,6 +1,7 @@
 """The fused CPU decoder step (CpuDecoder) against LlamaForCausalLM: tiny random models of every
 supported architecture feature over chained mixed steps, quantized weights in row segments,
-batch and thread-count invariance, every SIMD variant, and the real default model's greedy output."""
+batch, thread-count and chunking (preemption) invariance, every SIMD variant, and the real
+default model's greedy output."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from backfill.model.config import ModelConfig
 from backfill.model.cpu_decoder import CpuDecoder, LinearWeights, dense_weight
 from backfill.model.quant import QuantSegment, QuantWeight
 from backfill.model.llama import LlamaForCausalLM
+from tests.kernels.test_attention_cpu import split
 from tests.model.paged_driver import PagedDriver
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="CPU kernels extension unavailable")
@@ -174,14 +176,6 @@ def test_thread_count_invariant() -> None:
         torch.set_num_threads(threads)
     for i, (one, many) in enumerate(zip(*results)):
         assert torch.equal(one, many), f"step {i} differs between 1 and {max(2, threads)} threads"
-
-
-def split(total: int, pattern: list[int]) -> list[int]:
-    """Step sizes covering `total` tokens: `pattern` repeated, the last step cut to fit."""
-    sizes: list[int] = []
-    while sum(sizes) < total:
-        sizes.append(min(pattern[len(sizes) % len(pattern)], total - sum(sizes)))
-    return sizes
 
 
 def run_sequence(decoder: CpuDecoder, tokens: list[int], sizes: list[int], seed: int, companion: bool,

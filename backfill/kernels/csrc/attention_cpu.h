@@ -34,7 +34,7 @@ struct AttentionPlan {
     AttentionTile tile;     // the uncut tile (token, num_q, kv_head: where its rows go)
     int64_t first_partial;  // offset in `partials` of its first partition's [rows, D + 2] floats
     int64_t num_parts;
-    int64_t pending;        // partitions not yet run this layer: whoever runs the last combines
+    int64_t pending;        // partitions not yet run this layer (__atomic_* only): the last one combines
   };
   std::vector<AttentionTile> tiles;
   std::vector<Split> splits;

@@ -145,7 +145,7 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* y) {
 
 // Accumulator registers a register block may hold (AVX-512 has 32 vector registers, others 16).
 constexpr int64_t kAccRegs = W >= 16 ? 16 : 8;
-// How far ahead (in keys) rows across lanes prefetch K/V rows (keys across lanes: a key tile).
+// Rows across lanes prefetch K/V rows this many keys ahead (keys across lanes: see attend_keys).
 constexpr int64_t kPrefetchKeys = 16;
 // Tiles of at most this many rows (query tokens x G: decodes, chunks of a token or two) put
 // keys across the lanes, larger ones rows. A speed choice only: both layouts run each row's
