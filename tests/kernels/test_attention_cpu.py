@@ -249,13 +249,20 @@ def check_chunking_lower_isa() -> None:
     print(kernels.extension().isa())
 
 
-@pytest.mark.parametrize("isa", ["avx2", "scalar"])
-def test_chunking_invariant_lower_isa(isa: str) -> None:
-    """The AVX2 and baseline kernels (an AVX2-only EPYC, an old CPU) are chunking-invariant too."""
+def run_under_isa(isa: str, code: str, timeout: int) -> str:
+    """Runs `code` in a subprocess whose kernels are lowered to `isa` (BACKFILL_ISA: "avx2",
+    "scalar"); asserts it succeeded and returns its last line of output. Skips the test where
+    this CPU lacks the ISA."""
     if isa == "avx2" and kernels.extension().isa() == "scalar":
         pytest.skip("this CPU has no AVX2")
     env = {**os.environ, "BACKFILL_ISA": isa}
-    code = "from tests.kernels.test_attention_cpu import check_chunking_lower_isa; check_chunking_lower_isa()"
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == isa
+    return result.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_chunking_invariant_lower_isa(isa: str) -> None:
+    """The AVX2 and baseline kernels (an AVX2-only EPYC, an old CPU) are chunking-invariant too."""
+    code = "from tests.kernels.test_attention_cpu import check_chunking_lower_isa; check_chunking_lower_isa()"
+    assert run_under_isa(isa, code, timeout=300) == isa

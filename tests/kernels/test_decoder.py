@@ -5,10 +5,6 @@ default model's greedy output."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -18,7 +14,7 @@ from backfill.model.config import ModelConfig
 from backfill.model.cpu_decoder import CpuDecoder, LinearWeights, dense_weight
 from backfill.model.quant import QuantSegment, QuantWeight
 from backfill.model.llama import LlamaForCausalLM
-from tests.kernels.test_attention_cpu import split
+from tests.kernels.test_attention_cpu import run_under_isa, split
 from tests.model.paged_driver import PagedDriver
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="CPU kernels extension unavailable")
@@ -241,13 +237,8 @@ def check_lower_isa() -> None:
 @pytest.mark.parametrize(("isa", "expected"), [("avx2", "avx2/avx2"), ("scalar", "sse/sse")])
 def test_lower_isa(isa: str, expected: str) -> None:
     """The AVX2 and baseline kernels (the ones an AVX2-only EPYC or an old CPU runs) in full."""
-    if isa == "avx2" and kernels.extension().isa() == "scalar":
-        pytest.skip("this CPU has no AVX2")
-    env = {**os.environ, "BACKFILL_ISA": isa}
     code = "from tests.kernels.test_decoder import check_lower_isa; check_lower_isa()"
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == expected
+    assert run_under_isa(isa, code, timeout=240) == expected
 
 
 def test_real_model_greedy_matches_python_path(our_model: LlamaForCausalLM, gguf_path: str,
