@@ -13,7 +13,10 @@ a `QuantWeight` (quant.py: the file's blocks, row segments of several types wher
 linear mixes them, e.g. a Q4_K q/k and a Q6_K v) or a dense fp32 tensor (stored as F32 blocks).
 
 Batch invariance: a sequence's logits are bit-identical whether it runs alone or with others,
-in any order, on any thread count (given the same chunking of its own prompt).
+in any order, on any thread count, and however its tokens arrive (a prompt in one piece or in
+chunks of any size, decodes, a preempted request's prompt and generated tokens recomputed as
+chunks): the attention's arithmetic per query row is fixed by absolute positions alone (see
+kernels/csrc/fused_kernels.h), and every other operation works row by row.
 """
 
 from __future__ import annotations

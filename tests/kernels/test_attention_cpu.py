@@ -1,8 +1,12 @@
 """The fused decoder's paged attention kernel (ext.paged_attention) against naive_attention on
-ragged steps, every SIMD variant (picked by head_dim), sliding windows, and batch invariance."""
+ragged steps, every SIMD variant (picked by head_dim), sliding windows, batch invariance, and
+chunking invariance (a row's bits depend on its position alone, not on how its query arrived)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -148,19 +152,19 @@ CHUNK_LEN = 1200  # crosses key tiles (64) and partitions (256) many times
 # How one sequence's CHUNK_LEN queries arrive, as query lengths per step (1: a decode). Every
 # chunking must give each position the rows the whole prompt gives it, bit for bit.
 CHUNKINGS = {
-    "cycle": [1, 2, 3, 7, 16, 64, 200],  # repeated until the sequence ends
+    "cycle": [1, 2, 3, 7, 16, 64, 200],  # patterns repeat until the sequence ends (split)
     "cycle_shifted": [5, 200, 64, 16, 7, 3, 2, 1],
     "sixteens": [16],
     "prompt_then_decodes": [1000] + [1] * 200,
-    "decodes_from_70": [70] + [1] * 1130,  # every position as a decode, across every boundary
+    "decodes_from_70": [70] + [1] * 250 + [880],  # decodes across tiles 128, 192, 256 (a partition), 320
 }
 
 
-def chunk_sizes(name: str, total: int = CHUNK_LEN) -> list[int]:
-    sizes, pattern, i = [], CHUNKINGS[name], 0
+def split(total: int, pattern: list[int]) -> list[int]:
+    """Step sizes covering `total` tokens: `pattern` repeated, the last step cut to fit."""
+    sizes: list[int] = []
     while sum(sizes) < total:
-        sizes.append(min(pattern[i % len(pattern)], total - sum(sizes)))
-        i += 1
+        sizes.append(min(pattern[len(sizes) % len(pattern)], total - sum(sizes)))
     return sizes
 
 
@@ -186,8 +190,10 @@ def chunked_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return torch.cat(rows)  # [L, H, D]
 
 
-def chunking_case(num_heads: int, num_kv_heads: int, head_dim: int, window: int | None, seed: int = 0):
-    """q [L, H, D] of one CHUNK_LEN sequence, caches holding all its K/V (and a companion's)."""
+def chunking_case(num_heads: int, num_kv_heads: int, head_dim: int, window: int | None, seed: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], int, tuple[torch.Tensor, list[int], int]]:
+    """q [L, H, D] of one CHUNK_LEN sequence, caches holding all its K/V (and a companion's):
+    (q, k_cache, v_cache, block table, block size, companion as chunked_rows takes it)."""
     block_size = 16
     num_blocks = 2 * -(-CHUNK_LEN // block_size) + 4
     gen = torch.Generator().manual_seed(seed)
@@ -206,12 +212,18 @@ CHUNK_SHAPES = [(4, 4, 16), (9, 3, 64), (8, 1, 64), (6, 2, 128)]  # (H, Hkv, D):
 @pytest.mark.parametrize("window", [None, 100, 300])  # 100: not tile-aligned; 300: longer than a partition
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), CHUNK_SHAPES)
 def test_chunking_invariant(num_heads: int, num_kv_heads: int, head_dim: int, window: int | None) -> None:
-    """Whole prompt vs chunks of 1..200 tokens at shifting offsets vs prompt-then-decodes, with
-    and without a companion decode: every position's rows are bit-identical."""
+    """Whole prompt (one thread) vs chunks of 1..200 tokens at shifting offsets vs
+    prompt-then-decodes (every thread), with and without a companion decode: every position's
+    rows are bit-identical."""
     q, k_cache, v_cache, table, block_size, companion = chunking_case(num_heads, num_kv_heads, head_dim, window)
-    whole = chunked_rows(q, k_cache, v_cache, table, block_size, [CHUNK_LEN], window)  # [L, H, D]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = chunked_rows(q, k_cache, v_cache, table, block_size, [CHUNK_LEN], window)  # [L, H, D]
+    finally:
+        torch.set_num_threads(threads)
     for i, name in enumerate(sorted(CHUNKINGS)):
-        got = chunked_rows(q, k_cache, v_cache, table, block_size, chunk_sizes(name), window,
+        got = chunked_rows(q, k_cache, v_cache, table, block_size, split(CHUNK_LEN, CHUNKINGS[name]), window,
                            companion if i % 2 else None)
         differ = (got != whole).any(dim=2).any(dim=1).nonzero().flatten().tolist()  # positions
         assert not differ, f"{name}: {len(differ)} positions differ from the whole prompt, first {differ[:8]}"
@@ -237,17 +249,20 @@ def check_chunking_lower_isa() -> None:
     print(kernels.extension().isa())
 
 
-@pytest.mark.parametrize("isa", ["avx2", "scalar"])
-def test_chunking_invariant_lower_isa(isa: str) -> None:
-    """The AVX2 and baseline kernels (an AVX2-only EPYC, an old CPU) are chunking-invariant too."""
-    import os
-    import subprocess
-    import sys
-
+def run_under_isa(isa: str, code: str, timeout: int) -> str:
+    """Runs `code` in a subprocess whose kernels are lowered to `isa` (BACKFILL_ISA: "avx2",
+    "scalar"); asserts it succeeded and returns its last line of output. Skips the test where
+    this CPU lacks the ISA."""
     if isa == "avx2" and kernels.extension().isa() == "scalar":
         pytest.skip("this CPU has no AVX2")
     env = {**os.environ, "BACKFILL_ISA": isa}
-    code = "from tests.kernels.test_attention_cpu import check_chunking_lower_isa; check_chunking_lower_isa()"
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == isa
+    return result.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_chunking_invariant_lower_isa(isa: str) -> None:
+    """The AVX2 and baseline kernels (an AVX2-only EPYC, an old CPU) are chunking-invariant too."""
+    code = "from tests.kernels.test_attention_cpu import check_chunking_lower_isa; check_chunking_lower_isa()"
+    assert run_under_isa(isa, code, timeout=300) == isa

@@ -1,12 +1,9 @@
 """The fused CPU decoder step (CpuDecoder) against LlamaForCausalLM: tiny random models of every
 supported architecture feature over chained mixed steps, quantized weights in row segments,
-batch and thread-count invariance, every SIMD variant, and the real default model's greedy output."""
+batch, thread-count and chunking (preemption) invariance, every SIMD variant, and the real
+default model's greedy output."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,6 +14,7 @@ from backfill.model.config import ModelConfig
 from backfill.model.cpu_decoder import CpuDecoder, LinearWeights, dense_weight
 from backfill.model.quant import QuantSegment, QuantWeight
 from backfill.model.llama import LlamaForCausalLM
+from tests.kernels.test_attention_cpu import run_under_isa, split
 from tests.model.paged_driver import PagedDriver
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="CPU kernels extension unavailable")
@@ -176,14 +174,6 @@ def test_thread_count_invariant() -> None:
         assert torch.equal(one, many), f"step {i} differs between 1 and {max(2, threads)} threads"
 
 
-def split(total: int, pattern: list[int]) -> list[int]:
-    """Step sizes covering `total` tokens: `pattern` repeated, the last step cut to fit."""
-    sizes: list[int] = []
-    while sum(sizes) < total:
-        sizes.append(min(pattern[len(sizes) % len(pattern)], total - sum(sizes)))
-    return sizes
-
-
 def run_sequence(decoder: CpuDecoder, tokens: list[int], sizes: list[int], seed: int, companion: bool,
                  greedy: int = 0) -> tuple[list[int], dict[int, torch.Tensor]]:
     """Feeds request x's `tokens` as steps of `sizes` tokens, then `greedy` more tokens one decode
@@ -247,13 +237,8 @@ def check_lower_isa() -> None:
 @pytest.mark.parametrize(("isa", "expected"), [("avx2", "avx2/avx2"), ("scalar", "sse/sse")])
 def test_lower_isa(isa: str, expected: str) -> None:
     """The AVX2 and baseline kernels (the ones an AVX2-only EPYC or an old CPU runs) in full."""
-    if isa == "avx2" and kernels.extension().isa() == "scalar":
-        pytest.skip("this CPU has no AVX2")
-    env = {**os.environ, "BACKFILL_ISA": isa}
     code = "from tests.kernels.test_decoder import check_lower_isa; check_lower_isa()"
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == expected
+    assert run_under_isa(isa, code, timeout=240) == expected
 
 
 def test_real_model_greedy_matches_python_path(our_model: LlamaForCausalLM, gguf_path: str,

@@ -37,6 +37,9 @@ const DecoderKernels& attention_kernels(int64_t head_dim) {
 // every thread even at batch 1. A choice of work split only: the rows' arithmetic is the same
 // cut or not (see fused_kernels.h), so any policy keeps the invariant.
 constexpr int64_t kSplitMaxRows = 128;
+// A step with less attention work than this (rows x keys visited, summed over tiles: ~20 us)
+// runs on the calling thread: waking the pool would cost about as much as it saves.
+constexpr int64_t kMinParallelWork = 16384;
 
 void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int64_t num_blocks) {
   tiles.clear();
@@ -64,17 +67,18 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
       const int64_t rows = n * shape.group, partial_floats = rows * (shape.head_dim + 2);
       max_rows = std::max(max_rows, rows);
       for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
-        const AttentionTile whole{q_begin + i, pos, n, h, table, first_key, end, nullptr};
+        const AttentionTile whole{q_begin + i, pos, n, h, table, first_key, end, nullptr, -1};
         if (num_parts == 1 || rows > kSplitMaxRows) {
           tiles.push_back(whole);
           continue;
         }
-        splits.push_back({whole, num_partial_floats, num_parts});
+        const int64_t split = static_cast<int64_t>(splits.size());
+        splits.push_back({whole, num_partial_floats, num_parts, num_parts});
         for (int64_t part = 0; part < num_parts; ++part) {
           const int64_t begin = std::max(first_key, (first_key / part_keys + part) * part_keys);
           const int64_t stop = std::min(end, (first_key / part_keys + part + 1) * part_keys);
           partial_tiles.emplace_back(tiles.size(), num_partial_floats);  // pointer set once all are counted
-          tiles.push_back({q_begin + i, pos, n, h, table, begin, stop, nullptr});
+          tiles.push_back({q_begin + i, pos, n, h, table, begin, stop, nullptr, split});
           num_partial_floats += partial_floats;
         }
       }
@@ -87,32 +91,39 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
   // tile's arithmetic).
   auto cost = [&](const AttentionTile& t) {
     const int64_t span = std::min(t.key_end, t.pos + t.num_q) - t.key_begin;
-    return t.num_q * (shape.window > 0 ? std::min(span, shape.window + t.num_q) : span);
+    return t.num_q * shape.group * (shape.window > 0 ? std::min(span, shape.window + t.num_q) : span);
   };
   std::stable_sort(tiles.begin(), tiles.end(),
                    [&](const AttentionTile& a, const AttentionTile& b) { return cost(a) > cost(b); });
+  total_work = 0;
+  for (const AttentionTile& t : tiles) total_work += cost(t);
 }
 
 void AttentionPlan::run(const DecoderKernels& kernels, const AttentionShape& shape, const float* q, int64_t ldq,
                         const float* k_cache, const float* v_cache, float* out, int64_t ldo) {
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
-  const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
+  const int64_t num_workers =
+      total_work < kMinParallelWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
   const int64_t per_worker = kernels.attention_scratch(shape, max_rows);
   if (static_cast<int64_t>(scratch.size()) < num_workers * per_worker)
     scratch.resize(static_cast<size_t>(num_workers * per_worker));
+  for (Split& split : splits) split.pending = split.num_parts;
   std::atomic<int64_t> next{0};
-  // One chunk per worker; each takes tiles off a shared counter until none are left.
+  // One chunk per worker; each takes tiles off a shared counter until none are left. A cut
+  // tile's rows are combined by the worker that finishes its last partition (the acq_rel
+  // count makes the other workers' partials visible to it): no second pass over the pool.
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       float* mine = scratch.data() + w * per_worker;
-      for (int64_t i = next.fetch_add(1); i < num_tiles; i = next.fetch_add(1))
-        kernels.attention_tile(shape, tiles[static_cast<size_t>(i)], q, ldq, k_cache, v_cache, out, ldo, mine);
-    }
-  });
-  at::parallel_for(0, static_cast<int64_t>(splits.size()), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Split& split = splits[static_cast<size_t>(i)];
-      kernels.attention_combine(shape, split.tile, partials.data() + split.first_partial, split.num_parts, out, ldo);
+      for (int64_t i = next.fetch_add(1); i < num_tiles; i = next.fetch_add(1)) {
+        const AttentionTile& tile = tiles[static_cast<size_t>(i)];
+        kernels.attention_tile(shape, tile, q, ldq, k_cache, v_cache, out, ldo, mine);
+        if (tile.split < 0) continue;
+        Split& split = splits[static_cast<size_t>(tile.split)];
+        if (__atomic_sub_fetch(&split.pending, 1, __ATOMIC_ACQ_REL) == 0)
+          kernels.attention_combine(shape, split.tile, partials.data() + split.first_partial, split.num_parts, out,
+                                    ldo);
+      }
     }
   });
 }

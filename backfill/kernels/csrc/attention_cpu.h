@@ -34,12 +34,14 @@ struct AttentionPlan {
     AttentionTile tile;     // the uncut tile (token, num_q, kv_head: where its rows go)
     int64_t first_partial;  // offset in `partials` of its first partition's [rows, D + 2] floats
     int64_t num_parts;
+    int64_t pending;        // partitions not yet run this layer (__atomic_* only): the last one combines
   };
   std::vector<AttentionTile> tiles;
   std::vector<Split> splits;
   std::vector<float> partials;  // per split: [num_parts, rows, D + 2]
   std::vector<float> scratch;   // [workers, attention_scratch(shape, max_rows)]
   int64_t max_rows = 0;         // the most rows (query tokens x G) of any tile
+  int64_t total_work = 0;       // rows x keys visited, summed over the tiles
 
   void build(const StepMeta& meta, const AttentionShape& shape, int64_t num_blocks);
   // out[t, h, :] for every token t and query head h (q, out: [T, H * D] rows of stride ldq, ldo).

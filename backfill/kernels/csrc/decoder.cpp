@@ -7,9 +7,10 @@
 //   xn = rms_norm(x) ; qkv = xn @ Wqkv^T (+ b) ; rope(q, k) + write k, v to the caches (one pass)
 //   attn = paged attention ; x += attn @ Wo^T (packed_gemm accumulates into x)
 //   xn = rms_norm(x) ; gu = xn @ Wgu^T ; act = silu(gate) * up ; x += act @ Wdown^T
-// Every per-row operation runs in a fixed order that depends on that row alone, and attention
-// per (sequence, KV head, query tile): a sequence's results never depend on its companions or
-// on the thread count (the linear kernels guarantee the same for their rows).
+// Every per-row operation runs in a fixed order that depends on that row alone, attention's
+// included (its arithmetic per query row is fixed by absolute positions, see fused_kernels.h):
+// a sequence's results never depend on its companions, on the thread count, or on how its
+// tokens were cut into steps (the linear kernels guarantee the same for their rows).
 #include <torch/extension.h>
 
 #include <chrono>

@@ -36,22 +36,25 @@ struct AttentionTile {
   // row's unnormalized output [D], then its max and sum over [key_begin, key_end), which must
   // lie within one partition.
   float* partial;
+  int64_t split;  // partition tiles: the caller's index of the tile they were cut from; else -1
 };
 
 // THE INVARIANT: a query row's output is a function of (its q, its position, its window, the
 // cached K/V) alone: bit-identical whether it arrives as a decode, inside a prompt chunk of any
-// length and offset, alone or batched, on any thread count (for a given kernel table). Every
-// row runs the same per-row arithmetic on its own SIMD lane (rows of a tile across lanes, no
-// lane ever reads another), over a key structure fixed by absolute positions:
-//   - key tiles [64 k, 64 k + 64): scores q . k as one fma chain over d = 0 .. D - 1; one
-//     online-softmax update (max, exp, rescale, sum over the tile's keys in key order); then
-//     P . V as one fma chain per output element over the tile's keys in key order;
-//   - partitions [256 m, 256 m + 256): each starts a fresh softmax state; the partitions'
-//     states are folded in position order (attention_fold) and normalized at the end.
-// Keys a row does not see (causal, window, or outside the tile's range) are masked to p = 0:
-// their terms add exact zeros, so a row visiting more keys than it sees (a chunk's other rows
-// need them) computes what it computes alone. The one trace is the sign of an all-zero output
-// element, canonicalized to +0 when rows are written.
+// length and offset, alone or batched, on any thread count (for a given kernel table; each ISA
+// has its own bits). Every row runs one fixed sequence of IEEE operations, over a key structure
+// fixed by absolute positions:
+//   - key tiles [64 k, 64 k + 64): each score q . k one fma chain over d = 0 .. D - 1; one
+//     online-softmax update (tile max, exp, a fixed summation tree over the tile's 64 slots,
+//     rescale); then O += P . V, one fma chain per output element over the keys in order;
+//   - partitions [256 m, 256 m + 256): each starts a fresh softmax state; the states are folded
+//     in position order (fold_row) and the fold normalized at the end.
+// Keys a row does not see (causal, window, or another row's range) get p = 0: their terms add
+// exact zeros, so a row visiting more keys than it sees (a chunk's other rows need them)
+// computes what it computes alone. The one trace is the sign of an all-zero output element,
+// canonicalized to +0 when rows are written. Tiles put rows across SIMD lanes (chunks) or keys
+// across lanes (decodes): both run those operations per row and key, lane by lane (see
+// "Two layouts, one arithmetic" in fused_kernels_impl.h).
 // Partitions also let a long decode (or short chunk) spread over threads: cutting a tile at
 // partition boundaries changes only where the fold runs, never its operands.
 constexpr int64_t kAttentionPartitionKeys = 256;

@@ -145,7 +145,7 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* y) {
 
 // Accumulator registers a register block may hold (AVX-512 has 32 vector registers, others 16).
 constexpr int64_t kAccRegs = W >= 16 ? 16 : 8;
-// How far ahead (in keys) rows across lanes prefetch K/V rows (keys across lanes: a key tile).
+// Rows across lanes prefetch K/V rows this many keys ahead (keys across lanes: see attend_keys).
 constexpr int64_t kPrefetchKeys = 16;
 // Tiles of at most this many rows (query tokens x G: decodes, chunks of a token or two) put
 // keys across the lanes, larger ones rows. A speed choice only: both layouts run each row's
@@ -250,51 +250,36 @@ inline void accumulate_pv(const float* p, int64_t p_row, int64_t p_key, const fl
 // operation is lane-wise and IEEE (fma is exact-then-round, commutative in its factors), so
 // a row gets the same bits from both.
 
-// scores[j][rb : rb + NRV*W] = K[j] . Q^T for NJ keys x NRV registers of rows.
-template <int64_t NRV, int64_t NJ>
-inline void score_rows_block(const float* qt, int64_t rows_pad, const float* const* k_rows, int64_t d_len,
-                             float* scores) {
-  vf acc[NJ][NRV];
-  for (int64_t j = 0; j < NJ; ++j)
-    for (int64_t v = 0; v < NRV; ++v) acc[j][v] = vf{};
+// out[b * out_stride + v * W + l] = sum over d = 0 .. D - 1 of bcast[b][d] * vecs[d * vec_stride
+// + v * W + l] for NB broadcast rows x NVEC registers, each sum one fma chain in d order. The
+// scores of both layouts: rows across lanes broadcasts K rows against Q^T, keys across lanes
+// Q rows against K^T (a product's factor order never matters: fma is exact, then rounds).
+template <int64_t NVEC, int64_t NB>
+inline void dot_block(const float* vecs, int64_t vec_stride, const float* const* bcast, int64_t d_len, float* out,
+                      int64_t out_stride) {
+  vf acc[NB][NVEC];
+  for (int64_t b = 0; b < NB; ++b)
+    for (int64_t v = 0; v < NVEC; ++v) acc[b][v] = vf{};
   for (int64_t d = 0; d < d_len; ++d) {
-    vf qv[NRV];
-    for (int64_t v = 0; v < NRV; ++v) qv[v] = load(qt + d * rows_pad + v * W);
-    for (int64_t j = 0; j < NJ; ++j) {
-      const vf k = splat(k_rows[j][d]);
-      for (int64_t v = 0; v < NRV; ++v) acc[j][v] = fmadd(k, qv[v], acc[j][v]);
+    vf vec[NVEC];
+    for (int64_t v = 0; v < NVEC; ++v) vec[v] = load(vecs + d * vec_stride + v * W);
+    for (int64_t b = 0; b < NB; ++b) {
+      const vf x = splat(bcast[b][d]);
+      for (int64_t v = 0; v < NVEC; ++v) acc[b][v] = fmadd(x, vec[v], acc[b][v]);
     }
   }
-  for (int64_t j = 0; j < NJ; ++j)
-    for (int64_t v = 0; v < NRV; ++v) store(scores + j * rows_pad + v * W, acc[j][v]);
+  for (int64_t b = 0; b < NB; ++b)
+    for (int64_t v = 0; v < NVEC; ++v) store(out + b * out_stride + v * W, acc[b][v]);
 }
 
-// scores[r][0 : KB] = Q[r] . K^T for NR rows x KV registers of keys (kt: K^T [D, KB]; scores:
-// [NR, BK] at the block's first key).
-template <int64_t NR>
-inline void score_keys_block(const float* q, int64_t d_len, const float* kt, float* scores) {
-  vf acc[NR][KV];
-  for (int64_t r = 0; r < NR; ++r)
-    for (int64_t v = 0; v < KV; ++v) acc[r][v] = vf{};
-  for (int64_t d = 0; d < d_len; ++d) {
-    vf k[KV];
-    for (int64_t v = 0; v < KV; ++v) k[v] = load(kt + d * KB + v * W);
-    for (int64_t r = 0; r < NR; ++r) {
-      const vf qr = splat(q[r * d_len + d]);
-      for (int64_t v = 0; v < KV; ++v) acc[r][v] = fmadd(qr, k[v], acc[r][v]);
-    }
-  }
-  for (int64_t r = 0; r < NR; ++r)
-    for (int64_t v = 0; v < KV; ++v) store(scores + r * BK + v * W, acc[r][v]);
-}
-
-// The last n (1 <= n <= N) rows as one block.
-template <int64_t N>
-inline void score_keys_tail(const float* q, int64_t d_len, const float* kt, float* scores, int64_t n) {
+// The same for the last n (1 <= n <= N) broadcast rows, as one block.
+template <int64_t NVEC, int64_t N>
+inline void dot_tail(const float* vecs, int64_t vec_stride, const float* const* bcast, int64_t d_len, float* out,
+                     int64_t out_stride, int64_t n) {
   if constexpr (N > 1) {
-    if (n < N) return score_keys_tail<N - 1>(q, d_len, kt, scores, n);
+    if (n < N) return dot_tail<NVEC, N - 1>(vecs, vec_stride, bcast, d_len, out, out_stride, n);
   }
-  score_keys_block<N>(q, d_len, kt, scores);
+  dot_block<NVEC, N>(vecs, vec_stride, bcast, d_len, out, out_stride);
 }
 
 // Everything one tile's key walk needs. Per row: the state of the current partition (acc,
@@ -363,20 +348,21 @@ void attend_rows(const TileState& st, int64_t kb, const int64_t* offsets, const 
   // this tile's rows past the first few (prefetched by the tile before) and the next's first:
   // prompt chunks are compute-bound, a short distance suffices
   prefetch_rows(st, kb, offsets, kPrefetchKeys, BK + kPrefetchKeys);
+  // probs[j][r] = K[j] . Q'[r]: KJ keys x RV registers of rows a block (KJ1 keys when the tile
+  // is one register of rows; the last 1 to 3 registers of rows as one block)
   if (rows_pad == W) {
-    for (int64_t j = 0; j < BK; j += KJ1)
-      score_rows_block<1, KJ1>(st.q_buf, W, k_rows + j, d_len, st.probs + j * W);
+    for (int64_t j = 0; j < BK; j += KJ1) dot_block<1, KJ1>(st.q_buf, W, k_rows + j, d_len, st.probs + j * W, W);
   } else {
     for (int64_t j = 0; j < BK; j += KJ) {
       int64_t rb = 0;
       for (; rb + RV * W <= rows_pad; rb += RV * W)
-        score_rows_block<RV, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, st.probs + j * rows_pad + rb);
+        dot_block<RV, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, st.probs + j * rows_pad + rb, rows_pad);
       static_assert(RV == 4, "the remainder below is 1 to 3 registers of rows");
       float* scores = st.probs + j * rows_pad + rb;
-      switch ((rows_pad - rb) / W) {  // the rest as one block: enough independent chains
-        case 3: score_rows_block<3, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, scores); break;
-        case 2: score_rows_block<2, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, scores); break;
-        case 1: score_rows_block<1, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, scores); break;
+      switch ((rows_pad - rb) / W) {
+        case 3: dot_block<3, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, scores, rows_pad); break;
+        case 2: dot_block<2, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, scores, rows_pad); break;
+        case 1: dot_block<1, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, scores, rows_pad); break;
         default: break;
       }
     }
@@ -448,9 +434,12 @@ void attend_keys(const TileState& st, int64_t kb, const int64_t* offsets, const 
 #pragma GCC unroll 16
         for (int64_t i = 0; i < W; ++i) store(st.kt + (d0 + i) * KB + jb - jb0, m[i]);
       }
+    // probs[r][j] = Q'[r] . K[j]: KR rows x KV registers of keys a block
+    const float* q_rows[kKeyLaneRows];
+    for (int64_t r = 0; r < rows; ++r) q_rows[r] = st.q_buf + r * d_len;
     int64_t r = 0;
-    for (; r + KR <= rows; r += KR) score_keys_block<KR>(st.q_buf + r * d_len, d_len, st.kt, st.probs + r * BK + jb0);
-    if (r < rows) score_keys_tail<KR>(st.q_buf + r * d_len, d_len, st.kt, st.probs + r * BK + jb0, rows - r);
+    for (; r + KR <= rows; r += KR) dot_block<KV, KR>(st.kt, KB, q_rows + r, d_len, st.probs + r * BK + jb0, BK);
+    if (r < rows) dot_tail<KV, KR>(st.kt, KB, q_rows + r, d_len, st.probs + r * BK + jb0, BK, rows - r);
   }
   for (int64_t r = 0; r < rows; ++r) {  // mask by position, then the online-softmax update
     float* pr = st.probs + r * BK;
