@@ -326,7 +326,8 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
 
         max_len = max(args.max_model_len, args.context_len + args.measure_steps + 8)
         engine = make_engine(args.model, "continuous", max(args.batch_sizes), args.dtype, args.device, max_len,
-                             num_threads=args.num_threads, quantization=args.quantization)
+                             num_threads=args.num_threads, quantization=args.quantization,
+                             prefill_budget=0)  # decode steps are timed: prompts go in as fast as they can
         shape, dtype = engine_model_shape(shape, engine)
     print(f"model {shape.name}: {shape.num_params / 1e6:.1f} M parameters, computed in {dtype}, "
           f"{shape.weight_bytes(dtype) / 1e6:.1f} MB of weights read per step")

@@ -52,6 +52,7 @@ def make_engine(
     num_threads: int | None = None,
     static_padding: bool = True,
     quantization: str = "auto",
+    prefill_budget: int | None = None,
 ) -> LLMEngine:
     from backfill.config import EngineConfig
     from backfill.engine.llm_engine import LLMEngine
@@ -63,6 +64,7 @@ def make_engine(
         max_num_batched_tokens=max_num_batched_tokens,
         dtype=dtype,
         quantization=quantization,
+        prefill_budget=prefill_budget,
         device=device,
         max_model_len=max_model_len,
         seed=seed,
@@ -248,20 +250,29 @@ def measure_decode_step(engine: LLMEngine, batch_size: int, prompt_len: int, num
     """Median wall time (s) of a decode step with exactly `batch_size` sequences at ~`prompt_len` context.
 
     Needs `engine.config.max_num_seqs >= batch_size`. Prompts are distinct token-id lists so
-    no cache could share them.
+    no cache could share them. Each request may decode until the context is full, so the
+    first ones admitted are still running when the last prompt is in; the requests are
+    aborted once `num_steps` full decode steps were timed.
     """
     if engine.config.max_num_seqs < batch_size:
         raise ValueError(f"batch_size: {batch_size} exceeds the engine's max_num_seqs {engine.config.max_num_seqs}")
+    max_len = engine.max_model_len
+    if max_len <= prompt_len + num_steps:
+        raise ValueError(f"prompt_len: {prompt_len} + {num_steps} steps does not fit max_model_len {max_len}")
     tag = time.monotonic_ns()
-    for i in range(batch_size):
+    request_ids = [f"roofline-{tag}-{i}" for i in range(batch_size)]
+    for i, request_id in enumerate(request_ids):
         prompt = [(100 + 7 * i + 13 * j) % 40000 + 10 for j in range(prompt_len)]
-        engine.add_request(f"roofline-{tag}-{i}", prompt, greedy_params(num_steps + 2))
+        engine.add_request(request_id, prompt, greedy_params(max_len - prompt_len))
     decode_times: list[float] = []
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() and len(decode_times) < num_steps:
         engine.step()
         stats = engine.last_step_stats
         if stats is not None and stats.num_prefill_tokens == 0 and stats.num_decode_tokens == batch_size:
             decode_times.append(stats.duration)
+    engine.abort_request(request_ids)
+    while engine.has_unfinished_requests():
+        engine.step()
     if not decode_times:
         raise RuntimeError(f"no decode step ran all {batch_size} sequences together")
     return percentile(decode_times, 50)
