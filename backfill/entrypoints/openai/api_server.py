@@ -42,7 +42,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backfill.config import DTYPES, POLICIES, QUANTIZATIONS
-from backfill.engine.async_engine import AsyncEngine, EngineStoppedError
+from backfill.engine.async_engine import AsyncEngine, EngineStoppedError, load_off_thread
 from backfill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from backfill.entrypoints.openai.protocol import (MAX_BODY_BYTES, APIError, ChatCompletionRequest,
                                                   CompletionRequest, ModelCard, ModelList,
@@ -421,7 +421,8 @@ def run_server(args: argparse.Namespace) -> int:
     except ValueError as error:
         logger.error("invalid engine option: %s", error)
         return 2
-    engine = LLMEngine(config)
+    # Loaded off the main thread, whose OpenMP team would otherwise slow every step (see there).
+    engine = load_off_thread(lambda: LLMEngine(config))
     api_key = args.api_key or os.environ.get("BACKFILL_API_KEY") or None
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                     max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
