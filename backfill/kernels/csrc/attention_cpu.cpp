@@ -37,9 +37,13 @@ const DecoderKernels& attention_kernels(int64_t head_dim) {
 // every thread even at batch 1. A choice of work split only: the rows' arithmetic is the same
 // cut or not (see fused_kernels.h), so any policy keeps the invariant.
 constexpr int64_t kSplitMaxRows = 128;
-// A step with less attention work than this (rows x keys visited, summed over tiles: ~20 us)
-// runs on the calling thread: waking the pool would cost about as much as it saves.
+// A step with less attention work than both of these runs on the calling thread: waking the
+// pool would cost about as much as it saves. The FLOPs: rows x keys visited, summed over the
+// tiles (~20 us). The bytes: K and V rows read (a decode's G rows share each one, so at a few
+// rows a tile the reads bound it: 8 decodes over 128 keys are ~9k row-keys but 2.4 MB of K/V
+// per layer, ~0.25 ms on one thread, half that on two).
 constexpr int64_t kMinParallelWork = 16384;
+constexpr int64_t kMinParallelKvBytes = 65536;
 
 void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int64_t num_blocks) {
   tiles.clear();
@@ -96,14 +100,19 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
   std::stable_sort(tiles.begin(), tiles.end(),
                    [&](const AttentionTile& a, const AttentionTile& b) { return cost(a) > cost(b); });
   total_work = 0;
-  for (const AttentionTile& t : tiles) total_work += cost(t);
+  total_kv_bytes = 0;
+  for (const AttentionTile& t : tiles) {
+    total_work += cost(t);
+    const int64_t span = std::min(t.key_end, t.pos + t.num_q) - t.key_begin;
+    total_kv_bytes += 2 * span * shape.head_dim * static_cast<int64_t>(sizeof(float));
+  }
 }
 
 void AttentionPlan::run(const DecoderKernels& kernels, const AttentionShape& shape, const float* q, int64_t ldq,
                         const float* k_cache, const float* v_cache, float* out, int64_t ldo) {
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   const int64_t num_workers =
-      total_work < kMinParallelWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
+      total_work < kMinParallelWork && total_kv_bytes < kMinParallelKvBytes ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
   const int64_t per_worker = kernels.attention_scratch(shape, max_rows);
   if (static_cast<int64_t>(scratch.size()) < num_workers * per_worker)
     scratch.resize(static_cast<size_t>(num_workers * per_worker));

@@ -42,6 +42,7 @@ struct AttentionPlan {
   std::vector<float> scratch;   // [workers, attention_scratch(shape, max_rows)]
   int64_t max_rows = 0;         // the most rows (query tokens x G) of any tile
   int64_t total_work = 0;       // rows x keys visited, summed over the tiles
+  int64_t total_kv_bytes = 0;   // K and V bytes the tiles read (a window may read less)
 
   void build(const StepMeta& meta, const AttentionShape& shape, int64_t num_blocks);
   // out[t, h, :] for every token t and query head h (q, out: [T, H * D] rows of stride ldq, ldo).
