@@ -16,7 +16,7 @@ import pytest
 
 from backfill.core.outputs import StepStats
 from backfill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineStoppedError,
-                                          QueueFullError)
+                                          QueueFullError, load_off_thread)
 from backfill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from backfill.sampling_params import SamplingParams
 
@@ -292,3 +292,21 @@ def test_drain_then_shutdown() -> None:
         assert "endless" in fake.aborted and not fake.state
 
     run(main())
+
+
+def test_load_off_thread_returns_the_value_from_another_thread_and_reraises_errors() -> None:
+    caller = threading.get_ident()
+    loaded_on: list[int] = []
+
+    def load() -> str:
+        loaded_on.append(threading.get_ident())
+        return "engine"
+
+    assert load_off_thread(load) == "engine"
+    assert loaded_on and loaded_on[0] != caller  # not the caller's thread (its OpenMP team would stay)
+
+    def fail() -> None:
+        raise ValueError("model: no such file")
+
+    with pytest.raises(ValueError, match="model: no such file"):
+        load_off_thread(fail)
