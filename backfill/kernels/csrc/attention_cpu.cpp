@@ -48,10 +48,15 @@ constexpr int64_t kMinParallelKvBytes = 65536;
 void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int64_t num_blocks) {
   tiles.clear();
   splits.clear();
+  unit_start.clear();
   max_rows = 0;
   int64_t num_partial_floats = 0;
-  std::vector<std::pair<size_t, int64_t>> partial_tiles;  // (tile, offset in partials) of cut tiles
-  const int64_t num_seqs = meta.num_seqs, part_keys = kAttentionPartitionKeys;
+  // Tiles as built, unit after unit (a unit: the same queries and keys on every KV head), with
+  // the offset in `partials` of each cut tile's state (-1: not cut); sorted into `tiles` below.
+  std::vector<AttentionTile> built;
+  std::vector<int64_t> built_partial;
+  std::vector<int64_t> built_start;
+  const int64_t num_seqs = meta.num_seqs, part_keys = kAttentionPartitionKeys, num_heads = shape.num_kv_heads;
   TORCH_CHECK(meta.query_start[0] == 0, "query_start[0] must be 0");
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_begin = meta.query_start[s], num_q = meta.query_start[s + 1] - q_begin;
@@ -70,68 +75,101 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
       const int64_t num_parts = (end - 1) / part_keys - first_key / part_keys + 1;
       const int64_t rows = n * shape.group, partial_floats = rows * (shape.head_dim + 2);
       max_rows = std::max(max_rows, rows);
-      for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
-        const AttentionTile whole{q_begin + i, pos, n, h, table, first_key, end, nullptr, -1};
-        if (num_parts == 1 || rows > kSplitMaxRows) {
-          tiles.push_back(whole);
-          continue;
+      if (num_parts == 1 || rows > kSplitMaxRows) {
+        built_start.push_back(static_cast<int64_t>(built.size()));
+        for (int64_t h = 0; h < num_heads; ++h) {
+          built.push_back({q_begin + i, pos, n, h, table, first_key, end, nullptr, -1});
+          built_partial.push_back(-1);
         }
-        const int64_t split = static_cast<int64_t>(splits.size());
+        continue;
+      }
+      // one split per KV head, its partitions' states [num_parts, rows, D + 2] in a row
+      const int64_t first_split = static_cast<int64_t>(splits.size());
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const AttentionTile whole{q_begin + i, pos, n, h, table, first_key, end, nullptr, -1};
         splits.push_back({whole, num_partial_floats, num_parts, num_parts});
-        for (int64_t part = 0; part < num_parts; ++part) {
-          const int64_t begin = std::max(first_key, (first_key / part_keys + part) * part_keys);
-          const int64_t stop = std::min(end, (first_key / part_keys + part + 1) * part_keys);
-          partial_tiles.emplace_back(tiles.size(), num_partial_floats);  // pointer set once all are counted
-          tiles.push_back({q_begin + i, pos, n, h, table, begin, stop, nullptr, split});
-          num_partial_floats += partial_floats;
+        num_partial_floats += num_parts * partial_floats;
+      }
+      for (int64_t part = 0; part < num_parts; ++part) {
+        const int64_t begin = std::max(first_key, (first_key / part_keys + part) * part_keys);
+        const int64_t stop = std::min(end, (first_key / part_keys + part + 1) * part_keys);
+        built_start.push_back(static_cast<int64_t>(built.size()));
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const Split& split = splits[static_cast<size_t>(first_split + h)];
+          built.push_back({q_begin + i, pos, n, h, table, begin, stop, nullptr, first_split + h});
+          built_partial.push_back(split.first_partial + part * partial_floats);
         }
       }
     }
   }
   TORCH_CHECK(meta.query_start[num_seqs] == meta.num_tokens, "query_start[-1] must equal the number of tokens");
   if (static_cast<int64_t>(partials.size()) < num_partial_floats) partials.resize(static_cast<size_t>(num_partial_floats));
-  for (const auto& [tile, offset] : partial_tiles) tiles[tile].partial = partials.data() + offset;
-  // Longest first, so that the dynamic schedule ends with small tiles (order never changes a
-  // tile's arithmetic).
+  // Longest units first, so that the dynamic schedule ends with small ones (order never
+  // changes a tile's arithmetic). A unit's tiles all cost the same.
   auto cost = [&](const AttentionTile& t) {
     const int64_t span = std::min(t.key_end, t.pos + t.num_q) - t.key_begin;
     return t.num_q * shape.group * (shape.window > 0 ? std::min(span, shape.window + t.num_q) : span);
   };
-  std::stable_sort(tiles.begin(), tiles.end(),
-                   [&](const AttentionTile& a, const AttentionTile& b) { return cost(a) > cost(b); });
+  const int64_t num_units = static_cast<int64_t>(built_start.size());
+  built_start.push_back(static_cast<int64_t>(built.size()));
+  std::vector<int64_t> order(static_cast<size_t>(num_units));
+  for (int64_t u = 0; u < num_units; ++u) order[static_cast<size_t>(u)] = u;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return cost(built[static_cast<size_t>(built_start[a])]) > cost(built[static_cast<size_t>(built_start[b])]);
+  });
+  tiles.reserve(built.size());
   total_work = 0;
   total_kv_bytes = 0;
-  for (const AttentionTile& t : tiles) {
-    total_work += cost(t);
-    const int64_t span = std::min(t.key_end, t.pos + t.num_q) - t.key_begin;
-    total_kv_bytes += 2 * span * shape.head_dim * static_cast<int64_t>(sizeof(float));
+  for (const int64_t u : order) {
+    unit_start.push_back(static_cast<int64_t>(tiles.size()));
+    for (int64_t i = built_start[u]; i < built_start[u + 1]; ++i) {
+      AttentionTile t = built[static_cast<size_t>(i)];
+      const int64_t offset = built_partial[static_cast<size_t>(i)];
+      if (offset >= 0) t.partial = partials.data() + offset;
+      tiles.push_back(t);
+      total_work += cost(t);
+      const int64_t span = std::min(t.key_end, t.pos + t.num_q) - t.key_begin;
+      total_kv_bytes += 2 * span * shape.head_dim * static_cast<int64_t>(sizeof(float));
+    }
   }
+  unit_start.push_back(static_cast<int64_t>(tiles.size()));
 }
 
 void AttentionPlan::run(const DecoderKernels& kernels, const AttentionShape& shape, const float* q, int64_t ldq,
                         const float* k_cache, const float* v_cache, float* out, int64_t ldo) {
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
-  const int64_t num_workers =
-      total_work < kMinParallelWork && total_kv_bytes < kMinParallelKvBytes ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
+  const int64_t num_units = static_cast<int64_t>(unit_start.size()) - 1;
+  const int64_t threads = at::get_num_threads();
+  const bool parallel = total_work >= kMinParallelWork || total_kv_bytes >= kMinParallelKvBytes;
+  // Work items: whole units when there are enough to keep every thread busy (a worker then
+  // reads all KV heads of the same tokens, which share cache lines and pages: one stream for
+  // the prefetchers instead of one per head), single tiles otherwise.
+  const bool by_unit = num_units >= 2 * threads;
+  const int64_t num_items = by_unit ? num_units : num_tiles;
+  const int64_t num_workers = parallel ? std::max<int64_t>(1, std::min<int64_t>(threads, num_items)) : 1;
   const int64_t per_worker = kernels.attention_scratch(shape, max_rows);
   if (static_cast<int64_t>(scratch.size()) < num_workers * per_worker)
     scratch.resize(static_cast<size_t>(num_workers * per_worker));
   for (Split& split : splits) split.pending = split.num_parts;
   std::atomic<int64_t> next{0};
-  // One chunk per worker; each takes tiles off a shared counter until none are left. A cut
+  // One chunk per worker; each takes items off a shared counter until none are left. A cut
   // tile's rows are combined by the worker that finishes its last partition (the acq_rel
   // count makes the other workers' partials visible to it): no second pass over the pool.
   at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       float* mine = scratch.data() + w * per_worker;
-      for (int64_t i = next.fetch_add(1); i < num_tiles; i = next.fetch_add(1)) {
-        const AttentionTile& tile = tiles[static_cast<size_t>(i)];
-        kernels.attention_tile(shape, tile, q, ldq, k_cache, v_cache, out, ldo, mine);
-        if (tile.split < 0) continue;
-        Split& split = splits[static_cast<size_t>(tile.split)];
-        if (__atomic_sub_fetch(&split.pending, 1, __ATOMIC_ACQ_REL) == 0)
-          kernels.attention_combine(shape, split.tile, partials.data() + split.first_partial, split.num_parts, out,
-                                    ldo);
+      for (int64_t item = next.fetch_add(1); item < num_items; item = next.fetch_add(1)) {
+        const int64_t first = by_unit ? unit_start[static_cast<size_t>(item)] : item;
+        const int64_t last = by_unit ? unit_start[static_cast<size_t>(item) + 1] : item + 1;
+        for (int64_t i = first; i < last; ++i) {
+          const AttentionTile& tile = tiles[static_cast<size_t>(i)];
+          kernels.attention_tile(shape, tile, q, ldq, k_cache, v_cache, out, ldo, mine);
+          if (tile.split < 0) continue;
+          Split& split = splits[static_cast<size_t>(tile.split)];
+          if (__atomic_sub_fetch(&split.pending, 1, __ATOMIC_ACQ_REL) == 0)
+            kernels.attention_combine(shape, split.tile, partials.data() + split.first_partial, split.num_parts,
+                                      out, ldo);
+        }
       }
     }
   });

@@ -36,7 +36,8 @@ struct AttentionPlan {
     int64_t num_parts;
     int64_t pending;        // partitions not yet run this layer (__atomic_* only): the last one combines
   };
-  std::vector<AttentionTile> tiles;
+  std::vector<AttentionTile> tiles;  // unit after unit, the longest units first
+  std::vector<int64_t> unit_start;   // [units + 1]: a unit's tiles are tiles[unit_start[u] : unit_start[u + 1]]
   std::vector<Split> splits;
   std::vector<float> partials;  // per split: [num_parts, rows, D + 2]
   std::vector<float> scratch;   // [workers, attention_scratch(shape, max_rows)]
