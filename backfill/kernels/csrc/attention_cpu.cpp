@@ -106,9 +106,9 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
   if (static_cast<int64_t>(partials.size()) < num_partial_floats) partials.resize(static_cast<size_t>(num_partial_floats));
   // Longest units first, so that the dynamic schedule ends with small ones (order never
   // changes a tile's arithmetic). A unit's tiles all cost the same.
+  auto span = [](const AttentionTile& t) { return std::min(t.key_end, t.pos + t.num_q) - t.key_begin; };
   auto cost = [&](const AttentionTile& t) {
-    const int64_t span = std::min(t.key_end, t.pos + t.num_q) - t.key_begin;
-    return t.num_q * shape.group * (shape.window > 0 ? std::min(span, shape.window + t.num_q) : span);
+    return t.num_q * shape.group * (shape.window > 0 ? std::min(span(t), shape.window + t.num_q) : span(t));
   };
   const int64_t num_units = static_cast<int64_t>(built_start.size());
   built_start.push_back(static_cast<int64_t>(built.size()));
@@ -128,8 +128,7 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
       if (offset >= 0) t.partial = partials.data() + offset;
       tiles.push_back(t);
       total_work += cost(t);
-      const int64_t span = std::min(t.key_end, t.pos + t.num_q) - t.key_begin;
-      total_kv_bytes += 2 * span * shape.head_dim * static_cast<int64_t>(sizeof(float));
+      total_kv_bytes += 2 * span(t) * shape.head_dim * static_cast<int64_t>(sizeof(float));
     }
   }
   unit_start.push_back(static_cast<int64_t>(tiles.size()));
