@@ -15,8 +15,9 @@ QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "fp16")
 # Per device: units of prompt work a step may add while other requests decode (see
 # EngineConfig.prefill_budget). On a CPU a step's cost grows linearly with its tokens: a decode
 # step of 8 streams costs ~9 token-units there, so 16 more keep a chunked step within ~3x of a
-# plain decode step (BENCHMARKS.md, "Long prompt beside decoding streams"). On a GPU a step
-# of a few hundred tokens costs about what a decode step does: no limit but the token budget.
+# plain decode step (BENCHMARKS.md, "An 8,000-token prompt arriving while 8 streams decode").
+# On a GPU a step of a few hundred tokens costs about what a decode step does: no limit but the
+# token budget.
 DEFAULT_PREFILL_BUDGET: dict[str, int] = {"cpu": 16, "cuda": 0}
 
 
