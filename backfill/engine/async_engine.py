@@ -1,101 +1,57 @@
-"""AsyncEngine: drives the synchronous LLMEngine from one background thread for asyncio callers.
+"""AsyncEngine: the server's front end of an `EngineCore` that runs in a process of its own.
 
 ```
-event loop (HTTP handlers)                         engine thread (owns LLMEngine)
-  add_request() ── _Submission ─┐                   ┌─ wait on condition while idle
-  abort()      ── request id ───┼─▶ lock+condition ─┤  apply submissions, then aborts
-                                │                   │  step() while work remains
-  RequestStream ◀── call_soon_threadsafe(_dispatch) ┘  snapshot EngineStats
+event loop (HTTP handlers)                                      core process (core_process.py)
+  add_request() ─ InputProcessor (validate, n -> sequences) ─┐
+  abort()       ─ OutputProcessor.abort -> core ids ─────────┼─ CoreInputs ──▶ EngineCore
+  RequestStream ◀─ OutputProcessor (detokenize, stop strings) ◀─ CoreOutputs ─┘ busy loop
+                       └─ sequences a stop string ended ─ CoreInputs(abort) ──▶
 ```
 
-The engine is not thread-safe, so the event loop never touches it: requests and aborts cross
-into the engine thread through one lock-protected inbox and are applied between steps; outputs
-come back to the loop with `loop.call_soon_threadsafe`, which keeps their order. Each request
-gets its own `RequestStream` (an asyncio queue) on the loop side.
+Everything here runs on the event loop: requests go to the core as plain messages the moment
+they are accepted, and each message from the core is turned into `RequestOutput`s and queued on
+the `RequestStream` of its request (an asyncio queue), in order. The core's death (a crash, the
+OOM killer, `kill -9`) fails every stream with `EngineDeadError` at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Protocol
 
 from backfill.core.outputs import StepStats
+from backfill.engine.core_process import CoreProcess
+from backfill.engine.messages import CoreInfo, CoreInputs, CoreLoad, CoreOutputs
+from backfill.engine.output_processor import OutputProcessor
+from backfill.engine.processor import InputProcessor
+from backfill.model.tokenizer import Tokenizer
 from backfill.outputs import RequestOutput
 from backfill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-
-def load_off_thread(factory: Callable[[], T]) -> T:
-    """`factory()` (an engine's loading) run on a short-lived thread; its error is re-raised here.
-
-    Why: libgomp, torch's OpenMP on Linux, keeps a team of worker threads for every thread that
-    ran a parallel region, and once it manages more threads than there are CPUs it stops
-    spin-waiting between regions, so each of a step's hundreds of parallel regions waits for a
-    sleeping worker to wake. Loading a model runs parallel regions (repacking, dequantizing); on
-    the main thread its team would outlive the loading beside the engine thread's own, and on a
-    2-core machine every step in the server ran 2.3x slower (19 ms against 8 for one stream). A
-    thread's team ends with the thread; the engine thread is then the only one computing.
-    """
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = factory()
-        except BaseException as error:  # handed to the caller's thread
-            box["error"] = error
-
-    thread = threading.Thread(target=run, name="backfill-load")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 class QueueFullError(Exception):
     """The waiting queue is at its limit: the caller should retry later (HTTP 429)."""
 
 
-class EngineStoppedError(Exception):
+class EngineError(Exception):
+    """A request the engine cannot serve to its end, for the engine's sake, not the input's."""
+
+
+class EngineStoppedError(EngineError):
     """The engine no longer admits requests (draining or shut down: HTTP 503)."""
 
 
-class EngineDeadError(Exception):
-    """The engine thread failed; no request can be served any more (HTTP 500)."""
+class EngineDeadError(EngineError):
+    """The engine core died; no request can be served any more (HTTP 500)."""
 
 
-class SyncEngine(Protocol):
-    """What AsyncEngine needs from `LLMEngine` (a fake with these members serves tests)."""
-
-    last_step_stats: StepStats | None
-
-    @property
-    def max_num_seqs(self) -> int: ...
-    @property
-    def num_running(self) -> int: ...
-    @property
-    def num_waiting(self) -> int: ...
-    @property
-    def num_kv_blocks_used(self) -> int: ...
-    @property
-    def num_kv_blocks_total(self) -> int: ...
-    @property
-    def num_preemptions_total(self) -> int: ...
-
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0,
-                    group_id: str | None = None) -> None: ...
-    def abort_request(self, request_ids: Iterable[str]) -> None: ...
-    def step(self) -> list[RequestOutput]: ...
-    def has_unfinished_requests(self) -> bool: ...
+class RequestFailedError(EngineError):
+    """The core could not take one request (a defect: the front end validates first; HTTP 500)."""
 
 
 class EngineObserver(Protocol):
@@ -103,32 +59,6 @@ class EngineObserver(Protocol):
 
     def on_step(self, outputs: list[RequestOutput], stats: StepStats | None) -> None: ...
     def on_abort(self, request_ids: list[str]) -> None: ...
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A consistent snapshot of the engine, taken by the engine thread between steps."""
-
-    num_running: int = 0  # sequences
-    num_waiting: int = 0  # sequences in the engine's waiting queue (includes preempted ones)
-    num_kv_blocks_used: int = 0
-    num_kv_blocks_total: int = 0
-    num_preemptions_total: int = 0
-    num_steps: int = 0
-
-    @property
-    def kv_usage(self) -> float:
-        return self.num_kv_blocks_used / max(self.num_kv_blocks_total, 1)
-
-
-@dataclass
-class _Submission:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    arrival_time: float
-    group_id: str | None
-    accepted: asyncio.Future[None]
 
 
 class RequestStream:
@@ -139,10 +69,9 @@ class RequestStream:
     (`close()`) aborts the request.
     """
 
-    def __init__(self, request_id: str, engine: AsyncEngine, accepted: asyncio.Future[None]) -> None:
+    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
         self.request_id = request_id
         self._engine = engine
-        self.accepted = accepted  # resolved by the engine thread once the request is queued
         self._queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
         self.finished = False  # True once nothing more will be queued
         self._exhausted = False
@@ -182,43 +111,40 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Asynchronous front of an `LLMEngine`; every public method runs on the event loop thread.
+    """Asynchronous front of an engine core process; every method runs on the event loop thread.
 
-    `max_queue` bounds the queue: the sequences that are not running yet (waiting in the engine,
-    or submitted and not yet picked up by the engine thread) beyond the batch slots free to take
-    them. So an idle engine with `max_num_seqs` 4 and `max_queue` 4 accepts a burst of 8 (4 run,
-    4 wait) and refuses the rest. At the bound, `add_request` raises `QueueFullError`.
+    `max_queue` bounds the queue: the sequences that are not running yet (waiting in the core,
+    or sent and not yet taken in by it) beyond the batch slots free to take them. So an idle
+    engine with `max_num_seqs` 4 and `max_queue` 4 accepts a burst of 8 (4 run, 4 wait) and
+    refuses the rest. At the bound, `add_request` raises `QueueFullError`.
     """
 
-    def __init__(self, engine: SyncEngine, max_queue: int | None = None,
+    def __init__(self, core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer, max_queue: int | None = None,
                  observer: EngineObserver | None = None) -> None:
         if max_queue is not None and max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        self.engine = engine
+        self.core = core
+        self.info = info
         self.max_queue = max_queue
         self._observer = observer
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._streams: dict[str, RequestStream] = {}  # loop side only
+        self._processor = InputProcessor(tokenizer, info)
+        self._output_processor = OutputProcessor(tokenizer.hf)
+        self._streams: dict[str, RequestStream] = {}
+        self._started = False
         self._admitting = True
-        self._dead: BaseException | None = None
-        # Shared with the engine thread; guarded by _cond.
-        self._cond = threading.Condition()
-        self._inbox: list[_Submission] = []
-        self._aborts: list[str] = []
-        self._num_inbox_seqs = 0
-        self._num_in_transit_seqs = 0  # taken from the inbox, not yet in a stats snapshot
-        self._stop = False
-        self._stats = EngineStats()
+        self._dead: EngineDeadError | None = None
+        self._load = CoreLoad(num_kv_blocks_total=info.num_kv_blocks)
+        self._num_in_transit_seqs = 0  # sent to the core, not yet counted in a CoreLoad
+        # Called once, on the loop, when the core dies (the server schedules its exit).
+        self.on_death: Callable[[], None] | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will consume the outputs."""
-        assert self._thread is None, "AsyncEngine.start() called twice"
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="backfill-engine", daemon=True)
-        self._thread.start()
+        """Start taking the core's messages; call from the event loop that serves requests."""
+        assert not self._started, "AsyncEngine.start() called twice"
+        self._started = True
+        self.core.attach(self._on_outputs, self._on_death)
 
     def stop_admitting(self) -> None:
         """From now on `add_request` raises `EngineStoppedError`; in-flight requests go on."""
@@ -226,7 +152,7 @@ class AsyncEngine:
 
     @property
     def num_in_flight(self) -> int:
-        """Requests accepted (or being accepted) whose stream has not ended."""
+        """Requests accepted whose stream has not ended."""
         return len(self._streams)
 
     async def wait_until_idle(self, timeout: float) -> bool:
@@ -244,37 +170,31 @@ class AsyncEngine:
         self.abort([stream.request_id for stream in streams])
 
     async def shutdown(self) -> None:
-        """Abort what is left, stop the engine thread and wait for it."""
+        """Abort what is left, stop the core process and wait for it."""
         self._admitting = False
         self.abort_all(EngineStoppedError("the server is shutting down"))
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30.0)
+        await self.core.shutdown()
 
     # ---- requests ------------------------------------------------------------------------
 
     @property
-    def stats(self) -> EngineStats:
-        return self._stats
+    def stats(self) -> CoreLoad:
+        """The core's load as of its last message."""
+        return self._load
 
     @property
     def is_dead(self) -> bool:
         return self._dead is not None
 
     def num_pending_seqs(self) -> int:
-        """Sequences not running yet: waiting in the engine, or submitted and not picked up."""
-        with self._cond:
-            return self._num_inbox_seqs + self._num_in_transit_seqs + self._stats.num_waiting
+        """Sequences not running yet: waiting in the core, or sent and not taken in yet."""
+        return self._num_in_transit_seqs + self._load.num_waiting
 
     def num_queued_seqs(self, num_new_seqs: int = 0) -> int:
         """Pending sequences (plus `num_new_seqs` more) beyond the free batch slots: those that
         have to wait for a slot."""
-        with self._cond:
-            pending = self._num_inbox_seqs + self._num_in_transit_seqs + self._stats.num_waiting
-            num_free_slots = max(self.engine.max_num_seqs - self._stats.num_running, 0)
-        return max(pending + num_new_seqs - num_free_slots, 0)
+        num_free_slots = max(self.info.max_num_seqs - self._load.num_running, 0)
+        return max(self.num_pending_seqs() + num_new_seqs - num_free_slots, 0)
 
     def check_admission(self, num_seqs: int = 1) -> None:
         """Raise the error `add_request` would raise right now for lack of room or life.
@@ -284,8 +204,8 @@ class AsyncEngine:
         when nothing queues).
         """
         if self._dead is not None:
-            raise EngineDeadError(f"the engine failed: {self._dead!r}")
-        if not self._admitting or self._loop is None:
+            raise EngineDeadError(str(self._dead))
+        if not self._admitting or not self._started:
             raise EngineStoppedError("the server is not accepting requests")
         if self.max_queue is not None:
             queued = self.num_queued_seqs()
@@ -295,80 +215,61 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           arrival_time: float | None = None, group_id: str | None = None) -> RequestStream:
-        """Submit a request and wait until the engine thread accepted it (at most one step).
+        """Validate a request and send it to the core; its outputs arrive on the stream.
 
         Requests sharing a `group_id` (the prompts of one HTTP request) share batch slots with
         other groups fairly as one client (see `Scheduler`).
 
-        Raises `ValueError("<field>: ...")` when the engine rejects the input, `QueueFullError`,
-        `EngineStoppedError` or `EngineDeadError`. Cancelling the caller aborts the request.
+        Raises `ValueError("<field>: ...")` for input the engine can't serve, `QueueFullError`,
+        `EngineStoppedError` or `EngineDeadError`.
         """
         self.check_admission(params.n)
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        assert self._loop is not None
-        accepted: asyncio.Future[None] = self._loop.create_future()
-        stream = RequestStream(request_id, self, accepted)
-        submission = _Submission(request_id, prompt, params, arrival_time or time.monotonic(), group_id, accepted)
-        with self._cond:
-            if self._dead is not None:  # checked under the lock: a dead thread never wakes up
-                raise EngineDeadError(f"the engine failed: {self._dead!r}")
-            self._inbox.append(submission)
-            self._num_inbox_seqs += params.n
-            self._cond.notify()
+        request = self._processor.process(request_id, prompt, params, arrival_time or time.monotonic(),
+                                          group_id=group_id)
+        self._output_processor.add(request)
+        stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
-        try:
-            await accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
+        self._num_in_transit_seqs += len(request.sequences)
+        self.core.send(CoreInputs(add=request.sequences))
         return stream
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
-        """Cancel requests: their KV blocks are freed before the engine's next step.
+        """Cancel requests: their KV blocks are freed before the core's next step.
 
         Unknown or finished ids are ignored; the streams of aborted requests get no more output.
         """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        live = []
+        live: list[str] = []
+        core_ids: list[str] = []
         for request_id in ids:
             # A stream is in _streams exactly while its request lives in the engine.
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.end()
                 live.append(request_id)
+                core_ids.extend(self._output_processor.abort(request_id))
         if not live:
             return
-        with self._cond:
-            self._aborts.extend(live)
-            self._cond.notify()
+        if self._dead is None:
+            self.core.send(CoreInputs(abort=core_ids))
         if self._observer is not None:
             self._observer.on_abort(live)
 
-    # ---- loop side of the engine thread --------------------------------------------------
+    # ---- messages from the core ----------------------------------------------------------
 
-    def _post(self, callback: Any, *args: Any) -> None:
-        loop = self._loop
-        assert loop is not None
-        try:
-            loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the loop is closed: nobody is left to receive this
-            pass
-
-    @staticmethod
-    def _resolve(results: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
-        for future, error in results:
-            if future.done():  # the caller was cancelled; its abort is already queued
-                continue
-            if error is None:
-                future.set_result(None)
-            else:
-                future.set_exception(error)
-
-    def _dispatch(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
+    def _on_outputs(self, message: CoreOutputs) -> None:
+        self._load = message.load
+        self._num_in_transit_seqs = max(self._num_in_transit_seqs - message.num_added, 0)
+        for core_id, why in message.refused:
+            stream = self._streams.get(self._output_processor.request_of(core_id) or "")
+            if stream is not None:
+                stream.put(RequestFailedError(f"the engine could not take the request: {why}"))
+                self.abort(stream.request_id)
+        outputs, stopped = self._output_processor.process(message.outputs)
+        if stopped:
+            self.core.send(CoreInputs(abort=stopped))
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:  # aborted since the step began
@@ -376,83 +277,15 @@ class AsyncEngine:
             stream.put(output)
             if output.finished:
                 del self._streams[output.request_id]
-        if self._observer is not None:
-            self._observer.on_step(outputs, stats)
+        if self._observer is not None and (outputs or message.stats is not None):
+            self._observer.on_step(outputs, message.stats)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _on_death(self, why: str) -> None:
+        logger.error("the engine core died: %s", why)
+        self._dead = EngineDeadError(f"the engine failed: {why}")
         self._admitting = False
         for stream in list(self._streams.values()):
-            if not stream.accepted.done():
-                stream.accepted.set_exception(error)
-            stream.put(error)
+            stream.put(EngineDeadError(str(self._dead)))
         self._streams.clear()
-
-    # ---- the engine thread ---------------------------------------------------------------
-
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                with self._cond:
-                    # NOTE: sleep only when there is nothing to apply and nothing to step;
-                    # every producer notifies, so an idle engine costs no CPU.
-                    while not (self._inbox or self._aborts or self._stop) and not engine.has_unfinished_requests():
-                        self._cond.wait()
-                    stop = self._stop
-                    submissions, self._inbox = self._inbox, []
-                    aborts, self._aborts = self._aborts, []
-                    self._num_in_transit_seqs += self._num_inbox_seqs
-                    self._num_inbox_seqs = 0
-                if stop:  # leave the engine clean: apply the last aborts, refuse the rest
-                    engine.abort_request(aborts)
-                    stopped = EngineStoppedError("the server is shutting down")
-                    self._post(self._resolve, [(sub.accepted, stopped) for sub in submissions])
-                    self._snapshot(False)
-                    break
-                results: list[tuple[asyncio.Future[None], BaseException | None]] = []
-                for sub in submissions:
-                    try:
-                        engine.add_request(sub.request_id, sub.prompt, sub.params, arrival_time=sub.arrival_time,
-                                           group_id=sub.group_id)
-                        results.append((sub.accepted, None))
-                    except ValueError as error:
-                        results.append((sub.accepted, error))
-                    except Exception as error:  # a bug hit by one input must not stop the engine
-                        logger.exception("engine rejected request %s", sub.request_id)
-                        engine.abort_request([sub.request_id])
-                        results.append((sub.accepted, error))
-                # Aborts after adds: an abort may target a request submitted in the same batch.
-                if aborts:
-                    engine.abort_request(aborts)
-                if results:
-                    self._post(self._resolve, results)
-                outputs: list[RequestOutput] = []
-                stats: StepStats | None = None
-                if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    stats = engine.last_step_stats
-                self._snapshot(stats is not None)
-                if outputs or stats is not None:
-                    self._post(self._dispatch, outputs, stats)
-        except BaseException as error:  # noqa: BLE001 - the thread must report, not vanish
-            logger.exception("engine thread failed")
-            with self._cond:
-                self._dead = error
-                self._inbox.clear()
-            # Every submitted request has a stream on the loop side: failing the streams also
-            # fails the submissions still waiting for acceptance.
-            self._post(self._fail_all, EngineDeadError(f"the engine failed: {error!r}"))
-
-    def _snapshot(self, stepped: bool) -> None:
-        engine = self.engine
-        stats = EngineStats(
-            num_running=engine.num_running,
-            num_waiting=engine.num_waiting,
-            num_kv_blocks_used=engine.num_kv_blocks_used,
-            num_kv_blocks_total=engine.num_kv_blocks_total,
-            num_preemptions_total=engine.num_preemptions_total,
-            num_steps=self._stats.num_steps + int(stepped),
-        )
-        with self._cond:
-            self._stats = stats
-            self._num_in_transit_seqs = 0
+        if self.on_death is not None:
+            self.on_death()

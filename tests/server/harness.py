@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -50,10 +52,51 @@ class ServerProcess:
             samples[key] = float(value)
         return samples
 
+    def core_pids(self) -> list[int]:
+        """The server's engine core process (among its live children: multiprocessing's
+        resource tracker is one too)."""
+        return [pid for pid in child_pids(self.process.pid) if b"spawn_main" in _cmdline(pid)]
+
     def stop(self) -> None:
+        children = child_pids(self.process.pid)
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=30)
+        for pid in children:  # they die with the server anyway (the core watches its parent)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live (not zombie) processes whose parent is `pid`, from /proc."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, parent = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if int(parent) == pid and state != "Z":
+            children.append(int(entry))
+    return children
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _free_port() -> int:

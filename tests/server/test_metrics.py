@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from backfill.core.outputs import StepStats
-from backfill.engine.async_engine import EngineStats
+from backfill.engine.messages import CoreLoad
 from backfill.entrypoints.openai.metrics import ServerMetrics
 from backfill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -26,7 +26,7 @@ def _stats(useful: int, idle: int) -> StepStats:
                      num_slots_idle=idle)
 
 
-def _samples(metrics: ServerMetrics, stats: EngineStats, queued: int = 0) -> dict[str, float]:
+def _samples(metrics: ServerMetrics, stats: CoreLoad, queued: int = 0) -> dict[str, float]:
     text = metrics.render(stats, queued).decode()
     samples = {}
     for line in text.splitlines():
@@ -38,7 +38,7 @@ def _samples(metrics: ServerMetrics, stats: EngineStats, queued: int = 0) -> dic
 
 
 def test_series_exist_before_traffic() -> None:
-    samples = _samples(ServerMetrics("m", 4), EngineStats())
+    samples = _samples(ServerMetrics("m", 4), CoreLoad())
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
                  "prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",
                  "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
@@ -52,7 +52,7 @@ def test_one_request_through_three_steps() -> None:
     metrics.on_step([_output([7], 1, None, first=1.0, last=1.0)], _stats(useful=1, idle=0))
     metrics.on_step([_output([7, 8], 1, None, first=1.0, last=1.25)], _stats(useful=1, idle=0))
     metrics.on_step([_output([7, 8, 9], 1, "length", first=1.0, last=1.75, done_at=1.75)], _stats(useful=1, idle=2))
-    samples = _samples(metrics, EngineStats(num_running=2, num_waiting=1, num_kv_blocks_used=5,
+    samples = _samples(metrics, CoreLoad(num_running=2, num_waiting=1, num_kv_blocks_used=5,
                                             num_kv_blocks_total=10, num_preemptions_total=3), queued=4)
     assert samples["backfill:prompt_tokens_total"] == 3
     assert samples["backfill:generation_tokens_total"] == 3
@@ -68,5 +68,5 @@ def test_one_request_through_three_steps() -> None:
     assert samples["backfill:num_requests_running"] == 2 and samples["backfill:num_requests_waiting"] == 4
     assert samples["backfill:kv_cache_usage_perc"] == 0.5 and samples["backfill:num_preemptions_total"] == 3
     # The preemption counter follows the engine's cumulative count without double counting.
-    samples = _samples(metrics, EngineStats(num_preemptions_total=3))
+    samples = _samples(metrics, CoreLoad(num_preemptions_total=3))
     assert samples["backfill:num_preemptions_total"] == 3

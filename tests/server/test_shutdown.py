@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from tests.server.harness import MODEL, start_server
+from tests.server.harness import MODEL, is_alive, start_server, wait_until
 
 NUM_STREAMS = 8
 MAX_TOKENS = 32
@@ -52,6 +52,8 @@ def test_sigterm_drains_in_flight_streams() -> None:
             thread.start()
         assert all(event.wait(120) for event in started) and not errors, errors
 
+        cores = server.core_pids()
+        assert len(cores) == 1
         server.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         refused = httpx.post(server.v1 + "/completions", json={"model": MODEL, "prompt": "late"}, timeout=30)
@@ -74,6 +76,7 @@ def test_sigterm_drains_in_flight_streams() -> None:
         assert cut[-1] == "[DONE]" and json.loads(cut[-2])["error"]["code"] == "shutting_down"
         assert server.process.wait(timeout=60) == 0
         assert GRACE_S - 1 < time.monotonic() - signalled < GRACE_S + EXIT_BOUND_S
+        assert wait_until(lambda: not is_alive(cores[0]), 30)  # no core outlives the server
         assert "Traceback" not in server.log()
     finally:
         server.stop()
@@ -107,6 +110,7 @@ def test_sigterm_exits_on_time_whatever_is_stuck() -> None:
         for thread in threads:
             thread.start()
         assert streaming.wait(60)
+        cores = server.core_pids()
         server.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         assert server.process.wait(timeout=60) == 0
@@ -117,6 +121,7 @@ def test_sigterm_exits_on_time_whatever_is_stuck() -> None:
         assert isinstance(events, list) and events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["code"] == "shutting_down"
         assert results["whole"] == 503
+        assert cores and wait_until(lambda: not is_alive(cores[0]), 30)
         stuck.close()
         assert "Traceback" not in server.log()
     finally:

@@ -42,7 +42,9 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backfill.config import DTYPES, POLICIES, QUANTIZATIONS
-from backfill.engine.async_engine import AsyncEngine, EngineStoppedError, load_off_thread
+from backfill.engine.async_engine import AsyncEngine, EngineStoppedError
+from backfill.engine.core_process import CoreProcess, CoreStartError, make_engine_core
+from backfill.engine.messages import CoreInfo
 from backfill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from backfill.entrypoints.openai.protocol import (MAX_BODY_BYTES, APIError, ChatCompletionRequest,
                                                   CompletionRequest, ModelCard, ModelList,
@@ -52,7 +54,7 @@ from backfill.entrypoints.openai.serving import (DEFAULT_MAX_SEQS_PER_REQUEST, R
 from backfill.entrypoints.openai.transport import DEFAULT_READ_TIMEOUT_S, ReadTimeoutH11Protocol, RedactSecretsFilter
 
 if TYPE_CHECKING:
-    from backfill.engine.llm_engine import LLMEngine
+    from backfill.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,9 @@ logger = logging.getLogger(__name__)
 ABORT_FLUSH_S = 0.2
 CLOSE_CONNECTIONS_S = 0.3
 EXIT_GRACE_S = 1.0
+# After the engine core dies: in-flight requests fail at once, /health answers 503, and the
+# server exits with status 1 this many seconds later, for a supervisor to restart it.
+ENGINE_DEAD_EXIT_S = 5.0
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -177,23 +182,28 @@ async def run_unless_disconnected(request: Request, work: Awaitable[Any]) -> tup
         task.cancel()
 
 
-def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_queue: int | None = None, shutdown_timeout: float = 30.0,
+def build_app(core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer, *, served_model_name: str | None = None,
+              api_key: str | None = None, max_queue: int | None = None, shutdown_timeout: float = 30.0,
               max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST) -> FastAPI:
-    """The ASGI app over a loaded engine. The engine thread starts and stops with the app.
+    """The ASGI app over a started engine core process, which the app stops when it ends.
 
     `app.state.drain()` stops admitting, waits up to `shutdown_timeout` s for in-flight calls,
     aborts the rest (their responses get ABORT_FLUSH_S to end), and returns; the caller then
-    stops the HTTP server.
+    stops the HTTP server. If the core dies, `app.state.exit(1)` is called ENGINE_DEAD_EXIT_S
+    later (the launcher sets it; by default nothing happens).
     """
-    name = served_model_name or engine.model_name
-    metrics = ServerMetrics(name, engine.config.max_num_seqs)
-    async_engine = AsyncEngine(engine, max_queue=max_queue, observer=metrics)
-    vocab_size = engine.vocab_size
-    serving = OpenAIServing(async_engine, engine.tokenizer, name, engine.max_model_len, vocab_size,
+    name = served_model_name or info.model_name
+    metrics = ServerMetrics(name, info.max_num_seqs)
+    async_engine = AsyncEngine(core, info, tokenizer, max_queue=max_queue, observer=metrics)
+    serving = OpenAIServing(async_engine, tokenizer, name, info.max_model_len, info.vocab_size,
                             max_seqs_per_request)
     state = ServerState()
     created = int(time.time())
+
+    async def exit_after_death() -> None:
+        await asyncio.sleep(ENGINE_DEAD_EXIT_S)
+        logger.error("exiting: the engine core died")
+        app.state.exit(1)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -207,6 +217,9 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
     app.state.metrics = metrics
     app.state.serving = serving
     app.state.server_state = state
+    app.state.exit = lambda status: None
+    dead_exit: list[asyncio.Task[None]] = []  # holds the task while it sleeps
+    async_engine.on_death = lambda: dead_exit.append(asyncio.ensure_future(exit_after_death()))
 
     async def drain() -> None:
         state.draining = True
@@ -254,7 +267,8 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
     @app.get("/health")
     async def health() -> Response:
         if async_engine.is_dead:
-            return error_response(APIError(500, "the engine failed", "server_error", code="engine_dead"))
+            return error_response(APIError(503, "the engine failed; the server exits", "server_error",
+                                           code="engine_dead"))
         if state.draining:
             return error_response(APIError(503, "shutting down", "server_error", code="shutting_down",
                                            headers={"Retry-After": str(RETRY_AFTER_S)}))
@@ -266,7 +280,7 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
         return Response(body, media_type=CONTENT_TYPE)
 
     def card() -> ModelCard:
-        return ModelCard(id=name, created=created, max_model_len=engine.max_model_len)
+        return ModelCard(id=name, created=created, max_model_len=info.max_model_len)
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -369,6 +383,13 @@ class DrainingServer(uvicorn.Server):
         self._shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self.drain_started = False
+        self.exit_status: int | None = None
+
+    def exit_with(self, status: int) -> None:
+        """Stop serving (connections get CLOSE_CONNECTIONS_S to close); `run()` returns and
+        the process exits with `status`."""
+        self.exit_status = status
+        self.should_exit = True
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -401,7 +422,6 @@ class DrainingServer(uvicorn.Server):
 def run_server(args: argparse.Namespace) -> int:
     """Load the engine, serve until SIGTERM/SIGINT, drain, exit. Returns the exit status."""
     from backfill.config import EngineConfig
-    from backfill.engine.llm_engine import LLMEngine
 
     for flag, value, ok in (("--max-queue", args.max_queue, args.max_queue is None or args.max_queue >= 1),
                             ("--max-seqs-per-request", args.max_seqs_per_request, args.max_seqs_per_request >= 1),
@@ -421,10 +441,30 @@ def run_server(args: argparse.Namespace) -> int:
     except ValueError as error:
         logger.error("invalid engine option: %s", error)
         return 2
-    # Loaded off the main thread, whose OpenMP team would otherwise slow every step (see there).
-    engine = load_off_thread(lambda: LLMEngine(config))
+    from backfill.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model)
+    # NOTE: started from the main thread: the core dies with the thread that started it.
+    core = CoreProcess(functools.partial(make_engine_core, config))
+    try:
+        info = core.start()
+    except CoreStartError as error:
+        logger.error("%s", error)
+        core.close()
+        return 1
+    try:
+        status, drained = _serve(args, core, info, tokenizer)
+    finally:
+        core.kill()  # whatever happened: no core outlives the server
+    if drained:  # after a signal: exit at once, see exit_now
+        exit_now(status)
+    return status
+
+
+def _serve(args: argparse.Namespace, core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer) -> tuple[int, bool]:
+    """Serve until told to stop; returns the exit status and whether a signal drained the app."""
     api_key = args.api_key or os.environ.get("BACKFILL_API_KEY") or None
-    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
+    app = build_app(core, info, tokenizer, served_model_name=args.served_model_name, api_key=api_key,
                     max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
                     max_seqs_per_request=args.max_seqs_per_request)
     # NOTE: h11 explicitly (not httptools, were it installed): the read timeout hooks into it.
@@ -434,13 +474,12 @@ def run_server(args: argparse.Namespace) -> int:
     # After uvicorn.Config, which configures its loggers (and would drop a filter added before).
     logging.getLogger("uvicorn.access").addFilter(RedactSecretsFilter())
     server = DrainingServer(uv_config, app.state.drain, args.shutdown_timeout)
+    app.state.exit = server.exit_with
     logger.info("serving %s as %r on http://%s:%d", args.model or "the default model",
-                args.served_model_name or engine.model_name, args.host, args.port)
+                args.served_model_name or info.model_name, args.host, args.port)
     server.run()
     status = 0 if server.started else 1
-    if server.drain_started:
-        exit_now(status)
-    return status
+    return (status if server.exit_status is None else server.exit_status), server.drain_started
 
 
 def main(argv: list[str] | None = None) -> int:

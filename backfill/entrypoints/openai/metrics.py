@@ -12,7 +12,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                disable_created_metrics, generate_latest)
 
 from backfill.core.outputs import StepStats
-from backfill.engine.async_engine import EngineStats
+from backfill.engine.messages import CoreLoad
 from backfill.outputs import RequestOutput
 
 PREFIX = "backfill:"
@@ -130,7 +130,7 @@ class ServerMetrics:
         for request_id in request_ids:
             self._last_token_time.pop(request_id, None)
 
-    def render(self, stats: EngineStats, num_queued: int) -> bytes:
+    def render(self, stats: CoreLoad, num_queued: int) -> bytes:
         """The exposition text, with the engine gauges set from `stats` first."""
         labels = self._labels()
         self.num_requests_running.labels(**labels).set(stats.num_running)

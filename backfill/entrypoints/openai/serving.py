@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from backfill.core.outputs import TokenLogprobs
-from backfill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineStoppedError,
+from backfill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineError, EngineStoppedError,
                                           QueueFullError, RequestStream)
 from backfill.entrypoints.openai.protocol import (
     APIError, AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -61,6 +61,8 @@ def engine_error(error: BaseException, renames: dict[str, str] | None = None) ->
                         headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(error, EngineDeadError):
         return APIError(500, str(error), "server_error", code="engine_dead")
+    if isinstance(error, EngineError):
+        return APIError(500, str(error), "server_error")
     if isinstance(error, ValueError):
         return value_error(error, renames)
     return APIError(500, f"internal error: {error!r}", "server_error")
@@ -424,7 +426,7 @@ class OpenAIServing:
             if usage_chunk is not None:
                 yield sse(usage_chunk())
             yield SSE_DONE
-        except (EngineStoppedError, EngineDeadError) as error:
+        except EngineError as error:
             yield sse(engine_error(error).to_dict())
             yield SSE_DONE
         finally:
@@ -444,7 +446,7 @@ class OpenAIServing:
                     for completion in output.outputs:
                         finals[(i, completion.index)] = completion
                         logprobs.setdefault((i, completion.index), []).extend(completion.delta_logprobs or [])
-        except (EngineStoppedError, EngineDeadError) as error:
+        except EngineError as error:
             raise engine_error(error) from None
         finally:
             for stream in streams:

@@ -1,0 +1,143 @@
+"""EngineCore: the scheduler and the model runner, one step at a time; plain data in and out.
+
+Everything text-shaped (tokenizing, detokenizing, stop strings, n > 1 groups) is the front
+end's (`processor.py`, `output_processor.py`). The core sees token ids: it schedules, runs the
+model, samples, and applies the stop-token and length checks, all inside the `Scheduler`,
+which alone changes a `Request`. The offline `LLMEngine` calls it in-process; the server runs
+it in a process of its own (`core_process.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+
+from backfill.config import EngineConfig
+from backfill.core.outputs import ModelRunnerOutput, SchedulerOutput, StepStats
+from backfill.core.scheduler import Scheduler
+from backfill.engine.messages import CoreInfo, CoreLoad, EngineCoreOutput, EngineCoreRequest
+from backfill.request import FinishReason, Request
+from backfill.worker.model_runner import ModelRunner
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class EngineCore:
+    """Synchronous and single-threaded: `step()` is one iteration of continuous batching."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.scheduler = Scheduler(config, self.runner.num_kv_blocks, config.resolved_prefill_budget(),
+                                   self.runner.context_cost)
+        self.info = CoreInfo(
+            model_name=model_name(config.model),
+            max_model_len=self.runner.max_model_len,
+            vocab_size=self.runner.model_config.vocab_size,
+            eos_token_ids=tuple(self.runner.model_config.eos_token_ids),
+            max_num_seqs=config.max_num_seqs,
+            num_kv_blocks=self.runner.num_kv_blocks,
+        )
+        self._num_steps = 0
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a sequence the front end validated (ids in the vocabulary, lengths that fit)."""
+        if self.scheduler.get_request(request.request_id) is not None:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        self.scheduler.add_request(Request(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            params=request.params,
+            eos_token_ids=request.eos_token_ids,
+            max_model_len=self.info.max_model_len,
+            priority=request.priority,
+            arrival_time=request.arrival_time,
+            group_id=request.group_id,
+        ))
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """End sequences now; their KV blocks are free before the next step. Unknown ids are
+        ignored (a sequence may have finished on its own meanwhile)."""
+        self.scheduler.finish_requests(list(request_ids), FinishReason.ABORT)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> tuple[list[EngineCoreOutput], StepStats]:
+        """Schedule, run the model, sample, apply stops. One output per sequence that got a
+        token this step (a prompt's chunks before its last give none)."""
+        start = time.monotonic()
+        scheduler_output = self.scheduler.schedule()
+        slot_states = self.scheduler.slot_states()
+        runner_output = self.runner.execute(scheduler_output)
+        now = time.monotonic()
+        changed = self.scheduler.update_from_output(scheduler_output, runner_output, now)
+        outputs = _outputs(changed, runner_output, now)
+        self._num_steps += 1
+        return outputs, self._stats(start, scheduler_output, slot_states)
+
+    def load(self) -> CoreLoad:
+        kv = self.scheduler.kv_cache_manager
+        return CoreLoad(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks_used=kv.num_used_blocks,
+            num_kv_blocks_total=kv.num_blocks,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            num_steps=self._num_steps,
+        )
+
+    def _stats(self, start: float, scheduler_output: SchedulerOutput,
+               slot_states: list[tuple[str | None, str]]) -> StepStats:
+        num_decode = sum(1 for item in scheduler_output.scheduled if item.num_tokens == 1)
+        kv = self.scheduler.kv_cache_manager
+        return StepStats(
+            step=self._num_steps,
+            start_time=start,
+            duration=time.monotonic() - start,
+            num_batched_tokens=scheduler_output.num_batched_tokens,
+            num_prefill_tokens=scheduler_output.num_batched_tokens - num_decode,
+            num_decode_tokens=num_decode,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks_used=kv.num_used_blocks,
+            num_kv_blocks_total=kv.num_blocks,
+            num_preempted=len(scheduler_output.preempted_request_ids),
+            num_slots=self.config.max_num_seqs,
+            num_slots_useful=sum(1 for _, state in slot_states if state == "useful"),
+            num_slots_idle=sum(1 for _, state in slot_states if state == "idle"),
+            num_padding_tokens=len(scheduler_output.padding_seq_lens),
+            slot_request_ids=[request_id for request_id, _ in slot_states],
+            slot_states=[state for _, state in slot_states],
+        )
+
+
+def _outputs(changed: list[Request], runner_output: ModelRunnerOutput, now: float) -> list[EngineCoreOutput]:
+    """Plain outputs of the requests a step changed (each got exactly one token)."""
+    logprobs_by_id = {}
+    if runner_output.logprobs is not None:
+        logprobs_by_id = dict(zip(runner_output.request_ids, runner_output.logprobs))
+    outputs = []
+    for request in changed:
+        logprobs = logprobs_by_id.get(request.request_id)
+        reason = request.finish_reason
+        outputs.append(EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=request.output_token_ids[-1:],
+            token_time=now,
+            first_scheduled_time=request.first_scheduled_time,
+            num_preemptions=request.num_preemptions,
+            new_logprobs=[logprobs] if logprobs is not None else None,
+            finish_reason=reason.value if reason is not None else None,
+            stop_token_id=request.stop_reason if isinstance(request.stop_reason, int) else None,
+        ))
+    return outputs
+
+
+def model_name(model: str | None) -> str:
+    """The id a model is served as: its file or folder name."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    base = os.path.basename(os.path.normpath(model))
+    return base[: -len(".gguf")] if base.endswith(".gguf") else base

@@ -1,0 +1,297 @@
+"""The engine core in a process of its own: its busy loop (child side) and its handle (parent side).
+
+```
+front end (event loop)                                  core process (main thread)
+  CoreProcess.send(CoreInputs) ── PUSH ─ipc─▶ PULL ──▶  apply adds, then aborts
+                                                        step() while work remains
+  reader task ◀── CoreInfo | CoreOutputs | CoreFailed ── PUSH ◀──┘ one message per turn
+  loop.add_reader(sentinel) ◀── the process ended
+```
+
+Why a process: a step is hundreds of small Python and torch calls, and the front end's HTTP,
+JSON and detokenizing competed with them for the GIL when the core ran on a thread. Messages
+are msgpack (msgspec) over ZMQ `ipc://` sockets in a private temporary folder.
+
+Life and death: the core ignores SIGINT/SIGTERM (a terminal's Ctrl-C or a process-group kill
+reaches it too; the front end drains first, then tells it to stop) and dies with its parent:
+the kernel sends it SIGKILL when the parent exits (PR_SET_PDEATHSIG, Linux), and its loop checks
+its parent's pid at every turn and every `IDLE_POLL_MS` when idle (every platform). An error in
+loading or stepping is sent as `CoreFailed` before the process exits with status 1; any other end
+(`kill -9`, the OOM killer) the front end sees on the process's sentinel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from backfill.config import EngineConfig
+from backfill.core.outputs import StepStats
+from backfill.engine.messages import (CoreFailed, CoreInfo, CoreInputs, CoreLoad, CoreMessage, CoreOutputs,
+                                      EngineCoreOutput, EngineCoreRequest)
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 500  # an idle core wakes this often to check that its parent lives
+STOP_TIMEOUT_S = 10.0  # after a shutdown message, how long the core gets to exit before SIGKILL
+_PR_SET_PDEATHSIG = 1
+
+
+class CoreLike(Protocol):
+    """What the loop needs from an `EngineCore` (a fake with these members serves tests)."""
+
+    info: CoreInfo
+
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+    def abort(self, request_ids: list[str]) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> tuple[list[EngineCoreOutput], StepStats]: ...
+    def load(self) -> CoreLoad: ...
+
+
+class CoreStartError(RuntimeError):
+    """The core process failed to load (the message says why) or died while loading."""
+
+
+def make_engine_core(config: EngineConfig) -> CoreLike:
+    """The real core (`functools.partial(make_engine_core, config)` is a factory for
+    `CoreProcess`); torch is imported in the core process only."""
+    from backfill.engine.core import EngineCore
+
+    return EngineCore(config)
+
+
+# ---- child side ------------------------------------------------------------------------------
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):  # no prctl: the loop's pid checks remain
+            pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def run_core_process(factory: Callable[[], CoreLike], input_address: str, output_address: str,
+                     parent_pid: int, log_level: int) -> None:
+    """The core process's entry point: build the core, say so, then serve until told to stop."""
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
+    outputs.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    status = 0
+    try:
+        core = factory()
+        outputs.send(encoder.encode(core.info))
+        _serve(core, inputs, outputs, encoder, parent_pid)
+    except BaseException as error:  # noqa: BLE001 - reported to the front end, then exit 1
+        logger.exception("engine core failed")
+        outputs.send(encoder.encode(CoreFailed(f"{type(error).__name__}: {error}")))
+        status = 1
+    finally:
+        inputs.close(linger=0)
+        outputs.close(linger=5000)  # the last message goes out before the process ends
+        context.term()
+    os._exit(status)  # NOTE: no interpreter teardown of the model: nothing of it needs doing
+
+
+def _serve(core: CoreLike, inputs: zmq.Socket, outputs: zmq.Socket, encoder: msgspec.msgpack.Encoder,
+           parent_pid: int) -> None:
+    """The busy loop: apply what arrived, step while there is work, send one message per turn."""
+    decoder = msgspec.msgpack.Decoder(CoreInputs)
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    while True:
+        # Sleep in poll() only when idle; with work, just look for inputs and step.
+        if not core.has_unfinished_requests() and not poller.poll(IDLE_POLL_MS) and os.getppid() == parent_pid:
+            continue
+        if os.getppid() != parent_pid:
+            logger.warning("the front end is gone: the core exits")
+            return
+        applied = stop = False
+        num_added = 0
+        refused: list[tuple[str, str]] = []
+        while True:
+            try:
+                frame = inputs.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            message = decoder.decode(frame.buffer)
+            applied = True
+            for request in message.add:
+                num_added += 1
+                try:
+                    core.add_request(request)
+                except Exception as error:  # a defect hit by one request must not stop the core
+                    logger.exception("engine core refused request %s", request.request_id)
+                    refused.append((request.request_id, f"{type(error).__name__}: {error}"))
+            # Aborts after adds: an abort may target a request added by the same message.
+            if message.abort:
+                core.abort(message.abort)
+            stop = stop or message.shutdown
+        if stop:
+            return
+        step_outputs: list[EngineCoreOutput] = []
+        stats = None
+        if core.has_unfinished_requests():
+            step_outputs, stats = core.step()
+        if applied or stats is not None:
+            outputs.send(encoder.encode(CoreOutputs(step_outputs, stats, core.load(), num_added, refused)),
+                         copy=False)
+
+
+# ---- parent side -----------------------------------------------------------------------------
+
+
+class CoreProcess:
+    """The front end's handle on a core process.
+
+    `start()` (blocking: the model loads) returns the core's `CoreInfo`; call it from the main
+    thread, whose exit is what PR_SET_PDEATHSIG watches. Then `attach()` on the event loop that
+    consumes the outputs. `send()` never blocks. `shutdown()` stops the core; `kill()` is the
+    last resort of every exit path.
+    """
+
+    def __init__(self, factory: Callable[[], CoreLike], log_level: int | None = None) -> None:
+        self._factory = factory
+        self._log_level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
+        self._folder = tempfile.mkdtemp(prefix="backfill-core-")
+        self._context = zmq.Context()
+        self._inputs = self._context.socket(zmq.PUSH)
+        self._inputs.setsockopt(zmq.SNDHWM, 0)
+        self._inputs.bind(f"ipc://{self._folder}/inputs")
+        self._outputs = self._context.socket(zmq.PULL)
+        self._outputs.bind(f"ipc://{self._folder}/outputs")
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreMessage)
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.stopping = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def start(self, timeout: float | None = None) -> CoreInfo:
+        """Start the process and wait until its core is built. Raises `CoreStartError`."""
+        context = multiprocessing.get_context("spawn")
+        self.process = context.Process(
+            target=run_core_process, name="backfill-core", daemon=True,
+            args=(self._factory, self._inputs.getsockopt_string(zmq.LAST_ENDPOINT),
+                  self._outputs.getsockopt_string(zmq.LAST_ENDPOINT), os.getpid(), self._log_level))
+        self.process.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not self._outputs.poll(100):
+                if not self.process.is_alive():
+                    raise CoreStartError(f"the engine core process exited with status {self.process.exitcode} "
+                                         "while loading")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise CoreStartError(f"the engine core did not load within {timeout} s")
+            message = self._decoder.decode(self._outputs.recv())
+            if isinstance(message, CoreFailed):
+                raise CoreStartError(f"the engine core failed to load: {message.error}")
+            assert isinstance(message, CoreInfo), message
+            return message
+        except BaseException:
+            self.kill()
+            raise
+
+    def attach(self, on_outputs: Callable[[CoreOutputs], None], on_death: Callable[[str], None]) -> None:
+        """Deliver the core's messages on the running loop; `on_death(why)` once if it dies
+        (not after `shutdown()`)."""
+        assert self.process is not None and self._reader is None
+        self._loop = asyncio.get_running_loop()
+        died = False
+
+        def dead(why: str) -> None:
+            nonlocal died
+            if not died and not self.stopping:
+                died = True
+                on_death(why)
+
+        async def read() -> None:
+            socket = zmq.asyncio.Socket.from_socket(self._outputs)
+            while True:
+                message = self._decoder.decode(await socket.recv())
+                if isinstance(message, CoreFailed):
+                    dead(message.error)
+                elif isinstance(message, CoreOutputs):
+                    on_outputs(message)
+
+        def exited() -> None:
+            assert self._loop is not None and self.process is not None
+            self._loop.remove_reader(self.process.sentinel)
+            self.process.join(1.0)  # readable sentinel: the process has ended, reap it
+            dead(f"the engine core process exited (status {self.process.exitcode})")
+
+        self._reader = self._loop.create_task(read(), name="backfill-core-reader")
+        self._loop.add_reader(self.process.sentinel, exited)
+
+    def send(self, message: CoreInputs) -> None:
+        self._inputs.send(self._encoder.encode(message), copy=False)
+
+    async def shutdown(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Tell the core to stop, wait for it (SIGKILL after `timeout` s), release everything."""
+        self.stopping = True
+        if self.process is not None and self.process.is_alive():
+            self.send(CoreInputs(shutdown=True))
+            await asyncio.to_thread(self.process.join, timeout)
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        self.close()
+
+    def kill(self) -> None:
+        """End the core now, whatever it is doing (idempotent)."""
+        self.stopping = True
+        process = self.process
+        if process is not None and process.is_alive():
+            process.kill()
+            process.join(5)
+
+    def close(self) -> None:
+        """Kill the core if it still runs, and release the sockets and their folder."""
+        self.kill()
+        if self._loop is not None and self.process is not None:
+            try:
+                self._loop.remove_reader(self.process.sentinel)
+            except (RuntimeError, ValueError, OSError):  # the loop is closed already
+                pass
+        if self._reader is not None:
+            self._reader.cancel()
+        self._inputs.close(linger=0)
+        self._outputs.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def __del__(self) -> None:
+        process: Any = getattr(self, "process", None)
+        if process is not None and process.is_alive():
+            process.kill()
