@@ -9,9 +9,9 @@ from tqdm import tqdm
 
 from backfill.config import EngineConfig, Policy
 from backfill.engine.llm_engine import LLMEngine
-from backfill.model.tokenizer import Tokenizer
 from backfill.outputs import RequestOutput
 from backfill.sampling_params import SamplingParams
+from backfill.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 Message = dict[str, object]

@@ -12,10 +12,10 @@ from backfill.config import EngineConfig
 from backfill.core.outputs import ModelRunnerOutput, SchedulerOutput, StepStats, TokenLogprobs
 from backfill.core.scheduler import Scheduler
 from backfill.engine.detokenizer import IncrementalDetokenizer
-from backfill.model.tokenizer import Tokenizer, load_tokenizer
 from backfill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from backfill.request import FinishReason, Request
 from backfill.sampling_params import SamplingParams
+from backfill.tokenizer import Tokenizer, load_tokenizer
 from backfill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
