@@ -317,7 +317,7 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
     _set_threads(args)
     machine = measure_machine(args.device, buffer_mb=args.buffer_mb)
     shape = load_model_shape(args.model)
-    dtype = resolve_dtype(args.dtype, args.device)
+    dtype = resolve_dtype(args.dtype, args.device, args.quantization)
     print(format_machine(machine))
     measured: dict[int, float] = {}
     engine = None

@@ -213,7 +213,7 @@ def build_report(
     return {
         "config": {
             "model": config.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
-            "dtype": resolve_dtype(config.dtype, config.device),
+            "dtype": resolve_dtype(config.dtype, config.device, config.quantization),
             "quantization": config.quantization,
             "device": config.device,
             "batch_size": config.batch_size,
