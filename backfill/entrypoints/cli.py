@@ -33,7 +33,7 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     _add_engine_arguments(generate)
 
-    from backfill.entrypoints.openai.api_server import add_serve_arguments
+    from backfill.entrypoints.openai.launcher import add_serve_arguments
 
     serve = commands.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     add_serve_arguments(serve)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve":
-        from backfill.entrypoints.openai.api_server import run_server
+        from backfill.entrypoints.openai.launcher import run_server
 
         return run_server(args)
     from backfill.bench.cli import run_bench
