@@ -23,7 +23,7 @@ from typing import NoReturn
 
 import uvicorn
 
-from backfill.config import DTYPES, POLICIES, QUANTIZATIONS
+from backfill.config import EngineConfig
 from backfill.engine.async_engine import load_off_thread
 from backfill.entrypoints.openai.api_server import build_app
 from backfill.entrypoints.openai.serving import DEFAULT_MAX_SEQS_PER_REQUEST
@@ -39,38 +39,22 @@ EXIT_GRACE_S = 1.0
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `backfill serve` options (also `python -m backfill.entrypoints.openai.api_server`)."""
-    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    """The `backfill serve` options (also `python -m backfill.entrypoints.openai.api_server`):
+    the server's own, then every EngineConfig field's (EngineConfig.add_cli_args)."""
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: $BACKFILL_API_KEY)")
     parser.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model's name)")
-    parser.add_argument("--policy", choices=POLICIES, default="continuous")
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--prefill-budget", type=int, default=None,
-                        help="while streams decode, prompt work a step may add (units of one token's linear "
-                             "layers; default per device: cpu 16, cuda unlimited; 0: unlimited)")
     parser.add_argument("--max-queue", type=int, default=None,
                         help="sequences that find no free batch slot beyond which requests get 429 (default: no limit)")
     parser.add_argument("--max-seqs-per-request", type=int, default=DEFAULT_MAX_SEQS_PER_REQUEST,
                         help="most sequences (prompts x n) one request may create; more is a 400")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto",
-                        help="activations and KV cache (the CPU kernels compute in float32)")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
-                        help="weight storage: auto (a GGUF's matrices as stored, a folder's as fp32), "
-                             "none (expanded to --dtype), int8 (Q8_0 blocks), fp16; weight-only")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM; the process exits by then")
     parser.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
                         help="seconds a client gets to send a whole request (headers and body); then it is disconnected")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    EngineConfig.add_cli_args(parser)
 
 
 def exit_now(status: int) -> NoReturn:
@@ -133,7 +117,6 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(args: argparse.Namespace) -> int:
     """Load the engine, serve until SIGTERM/SIGINT, drain, exit. Returns the exit status."""
-    from backfill.config import EngineConfig
     from backfill.engine.llm_engine import LLMEngine
 
     for flag, value, ok in (("--max-queue", args.max_queue, args.max_queue is None or args.max_queue >= 1),
@@ -144,13 +127,7 @@ def run_server(args: argparse.Namespace) -> int:
             logger.error("invalid %s: %s", flag, value)
             return 2
     try:
-        config = EngineConfig(
-            model=args.model, policy=args.policy, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, prefill_budget=args.prefill_budget,
-            num_kv_blocks=args.num_kv_blocks,
-            block_size=args.block_size, max_model_len=args.max_model_len, dtype=args.dtype,
-            quantization=args.quantization,
-            device=args.device, seed=args.seed, num_threads=args.num_threads)
+        config = EngineConfig.from_cli_args(args)
     except ValueError as error:
         logger.error("invalid engine option: %s", error)
         return 2
