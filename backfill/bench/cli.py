@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from backfill.bench.plots import MissingExtraError, require_matplotlib
 from backfill.bench.workloads import ARRIVAL_KINDS, WORKLOAD_KINDS, WorkloadRequest, WorkloadSpec
 from backfill.config import POLICIES, EngineConfig
 
@@ -354,8 +355,10 @@ def run_bench(args: argparse.Namespace) -> int:
         "compare": _cmd_compare, "roofline": _cmd_roofline,
     }
     try:
+        if getattr(args, "plot", False):
+            require_matplotlib()  # before the run, not after it
         return handlers[args.bench_command](args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, MissingExtraError) as error:
         print(f"backfill bench {args.bench_command}: {error}", file=sys.stderr)
         return 2
 
