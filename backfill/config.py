@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import argparse
+from collections.abc import Collection
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 Policy = Literal["continuous", "static"]
 POLICIES: tuple[str, ...] = ("continuous", "static")
@@ -19,6 +21,9 @@ QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "fp16")
 # On a GPU a step of a few hundred tokens costs about what a decode step does: no limit but the
 # token budget.
 DEFAULT_PREFILL_BUDGET: dict[str, int] = {"cpu": 16, "cuda": 0}
+# The namespace attribute that lists the fields a parser got flags for (add_cli_args), so that
+# from_cli_args never reads a command's own option of the same name (a workload's --seed).
+_CLI_FIELDS = "engine_config_fields"
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,66 @@ class EngineConfig:
     prefill_budget: int | None = None
     static_padding: bool = True
     prepack_weights: bool = True  # CPU fp32: linear weights in oneDNN's packed layout (model/prepack.py)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, exclude: Collection[str] = ()) -> None:
+        """Add one flag per field to `parser` (`--max-num-seqs` sets max_num_seqs; the booleans
+        are `--static-padding / --no-static-padding`), each defaulting to the field's default.
+
+        This is the one definition of the engine flags: a command that wants another default
+        calls `parser.set_defaults(...)` after this; one that sets a field itself, or whose own
+        option has the flag's name, names the field in `exclude`.
+        """
+        defaults = {field.name: field.default for field in fields(cls)}
+        unknown = set(exclude) - set(defaults)
+        if unknown:
+            raise ValueError(f"exclude: {sorted(unknown)} are not EngineConfig fields")
+        group = parser.add_argument_group("engine")
+        added: list[str] = []
+
+        def add(flag: str, **kwargs: Any) -> None:
+            name = flag.removeprefix("--").replace("-", "_")
+            if name not in exclude:
+                group.add_argument(flag, default=defaults[name], **kwargs)
+                added.append(name)
+
+        add("--model", help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)")
+        add("--policy", choices=POLICIES,
+            help="continuous: requests join and leave the batch every step; static: a new batch only "
+                 "when the whole previous one has finished (for comparison)")
+        add("--max-num-seqs", type=int, help="most sequences in one step (batch slots)")
+        add("--max-num-batched-tokens", type=int, help="most tokens one step computes (decodes and prompt chunks)")
+        add("--num-kv-blocks", type=int,
+            help="KV cache blocks (default: --max-num-seqs sequences of --max-model-len tokens, within 2 GiB)")
+        add("--block-size", type=int, help="tokens per KV cache block")
+        add("--max-model-len", type=int, help="context length cap (default: the model's own)")
+        add("--dtype", choices=DTYPES,
+            help="activations and KV cache; auto: bfloat16 where the device computes it natively, else "
+                 "float32 (the CPU kernels compute in float32)")
+        add("--quantization", choices=QUANTIZATIONS,
+            help="weight storage: auto (a GGUF's matrices as stored, a folder's as fp32), none (expanded "
+                 "to --dtype), int8 (Q8_0 blocks), fp16; weight-only")
+        add("--device", help="cpu or cuda[:N]")
+        add("--seed", type=int, help="seeds the sampling of requests without a seed of their own")
+        add("--num-threads", type=int, help="torch CPU threads (default: torch's choice)")
+        add("--prefill-budget", type=int,
+            help="while streams decode, prompt work a step may add (units of one token's linear layers; "
+                 f"default per device: cpu {DEFAULT_PREFILL_BUDGET['cpu']}, cuda unlimited; 0: unlimited)")
+        add("--static-padding", action=argparse.BooleanOptionalAction,
+            help="policy static: a finished request's slot is computed as padding until its batch ends, "
+                 "as in fixed-shape batches")
+        add("--prepack-weights", action=argparse.BooleanOptionalAction,
+            help="dense CPU float32 model: linear weights in oneDNN's packed layout")
+        assert set(added) == set(defaults) - set(exclude), "every field has exactly one flag"
+        parser.set_defaults(**{_CLI_FIELDS: tuple(added)})
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+        """The config parsed from the flags `add_cli_args` added, with `overrides` (fields the
+        command sets itself); fields without either keep their defaults. Raises ValueError on
+        an invalid value, as the constructor does."""
+        values = {name: getattr(args, name) for name in getattr(args, _CLI_FIELDS)}
+        return cls(**{**values, **overrides})
 
     def resolved_prefill_budget(self) -> int | None:
         """The prompt-work limit per step while others decode (None: no limit)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backfill.model.tokenizer import Tokenizer
+from backfill.tokenizer import Tokenizer
 
 
 def special_tokens(tokenizer: Tokenizer) -> list[str]:

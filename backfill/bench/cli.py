@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from backfill.bench.plots import MissingExtraError, require_matplotlib
 from backfill.bench.workloads import ARRIVAL_KINDS, WORKLOAD_KINDS, WorkloadRequest, WorkloadSpec
-from backfill.config import DTYPES, QUANTIZATIONS
+from backfill.config import POLICIES, EngineConfig
 
 if TYPE_CHECKING:
     from backfill.bench.compare import CompareConfig
@@ -68,15 +69,13 @@ def _workload_from_args(args: argparse.Namespace) -> list[WorkloadRequest]:
     return generate_workload(_spec_from_args(args))
 
 
-def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
-                        help="weight storage (auto: a GGUF as stored; none: expanded to --dtype; int8 / fp16)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--max-model-len", type=int, default=1024, help="context cap (bounds the KV pool)")
-    parser.add_argument("--num-threads", type=int, default=None,
-                        help="torch CPU threads for every system (default: torch's choice, usually all cores)")
+def _add_engine_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...]) -> None:
+    """The engine flags (EngineConfig.add_cli_args) but those the command sets itself, with the
+    benchmarks' context cap; --num-threads holds for every system of the run."""
+    from backfill.bench.offline import DEFAULT_MAX_MODEL_LEN
+
+    EngineConfig.add_cli_args(parser, exclude=exclude)
+    parser.set_defaults(max_model_len=DEFAULT_MAX_MODEL_LEN)
 
 
 def add_bench_subparser(subparsers: Any) -> None:
@@ -91,7 +90,9 @@ def add_bench_subparser(subparsers: Any) -> None:
     serve = commands.add_parser("serve", help="replay a workload against an OpenAI-compatible server")
     serve.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     serve.add_argument("--workload", required=True, help="JSON-lines workload file")
-    serve.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    # Not the engine's --model (no engine runs here): the model name each request names.
+    serve.add_argument("--model", dest="request_model", default=None,
+                       help="model name to send (default: the server's first)")
     serve.add_argument("--endpoint", default="/v1/completions")
     serve.add_argument("--request-rate", type=_rate, nargs="+", default=None,
                        help="requests/s (inf: all at once); several values run a sweep. Default: the workload's arrival times")
@@ -111,23 +112,28 @@ def add_bench_subparser(subparsers: Any) -> None:
 
     offline = commands.add_parser("offline", help="run the engine in-process on a workload")
     offline.add_argument("--workload", default=None, help="JSON-lines workload (default: generate one)")
-    offline.add_argument("--policy", choices=("continuous", "static", "both"), default="both")
-    offline.add_argument("--max-num-seqs", type=int, default=16)
+    # Not the engine's --policy: which policies to run, one engine each (so the engine's is left out).
+    offline.add_argument("--policy", dest="policies", choices=(*POLICIES, "both"), default="both",
+                         help="the engine policy to run, or both one after the other")
     offline.add_argument("--repeats", type=int, default=1)
-    _add_engine_arguments(offline)
+    # The workload's --seed is the one this command takes.
+    _add_engine_arguments(offline, exclude=("policy", "static_padding", "seed"))
+    offline.set_defaults(max_num_seqs=16)
     _add_common_report_arguments(offline)
     _add_spec_arguments(offline)
 
     compare = commands.add_parser("compare", help="backfill continuous vs static vs transformers generate()")
     compare.add_argument("--workload", default=None, help="JSON-lines workload (default: generate one)")
-    compare.add_argument("--batch-size", type=int, default=16, help="max-num-seqs for backfill, batch for generate()")
+    compare.add_argument("--batch-size", type=int, default=16,
+                         help="every system's batch: backfill's max_num_seqs, generate()'s batch size")
     compare.add_argument("--repeats", type=int, default=3)
     from backfill.bench.compare import DEFAULT_SYSTEMS, SYSTEMS
 
     compare.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS),
                          help="static: fixed-shape batches (finished slots computed as padding); "
                               "static_compact: finished slots skipped; hf: transformers generate()")
-    _add_engine_arguments(compare)
+    # --systems sets the policy and padding, --batch-size max_num_seqs, --seed is the workload's.
+    _add_engine_arguments(compare, exclude=("policy", "static_padding", "max_num_seqs", "seed"))
     _add_common_report_arguments(compare)
     _add_spec_arguments(compare)
 
@@ -138,7 +144,8 @@ def add_bench_subparser(subparsers: Any) -> None:
                           help="decode steps to time per batch size with the engine (0: skip)")
     roofline.add_argument("--buffer-mb", type=int, default=1024, help="bandwidth test buffer (exceed the L3 cache)")
     roofline.add_argument("--result-file", default=None)
-    _add_engine_arguments(roofline)
+    # The measured engine runs every batch size with prompts in as fast as they come.
+    _add_engine_arguments(roofline, exclude=("policy", "static_padding", "max_num_seqs", "prefill_budget"))
 
 
 def _add_common_report_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,7 +199,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     results = []
     for rate in rates:
         config = ServeBenchConfig(
-            base_url=args.base_url, model=args.model, endpoint=args.endpoint, request_rate=rate,
+            base_url=args.base_url, model=args.request_model, endpoint=args.endpoint, request_rate=rate,
             burstiness=args.burstiness, seed=args.seed, goodput_slo_ms=slo, percentiles=tuple(args.percentiles),
             api_key=args.api_key, num_warmups=args.num_warmups, show_progress=not args.no_progress,
         )
@@ -251,22 +258,19 @@ def _measure_roofline(args: argparse.Namespace) -> tuple[Any, Any] | None:
 def _cmd_offline(args: argparse.Namespace) -> int:
     from backfill.bench.compare import CompareConfig
 
-    policies = ("continuous", "static") if args.policy == "both" else (args.policy,)
+    policies = POLICIES if args.policies == "both" else (args.policies,)
     return _run_comparison(args, CompareConfig(
-        model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-        batch_size=args.max_num_seqs, repeats=args.repeats,
-        systems=policies, max_model_len=args.max_model_len, price_per_hour=args.price_per_hour,
-        num_threads=args.num_threads, show_progress=not args.no_progress), "offline")
+        engine=EngineConfig.from_cli_args(args), repeats=args.repeats, systems=policies,
+        price_per_hour=args.price_per_hour, show_progress=not args.no_progress), "offline")
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     from backfill.bench.compare import CompareConfig
 
     return _run_comparison(args, CompareConfig(
-        model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-        batch_size=args.batch_size, repeats=args.repeats,
-        systems=tuple(args.systems), max_model_len=args.max_model_len, price_per_hour=args.price_per_hour,
-        num_threads=args.num_threads, show_progress=not args.no_progress), "compare")
+        engine=EngineConfig.from_cli_args(args, max_num_seqs=args.batch_size), repeats=args.repeats,
+        systems=tuple(args.systems), price_per_hour=args.price_per_hour, show_progress=not args.no_progress),
+        "compare")
 
 
 def _run_comparison(args: argparse.Namespace, config: CompareConfig, stem: str) -> int:
@@ -317,7 +321,7 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
     _set_threads(args)
     machine = measure_machine(args.device, buffer_mb=args.buffer_mb)
     shape = load_model_shape(args.model)
-    dtype = resolve_dtype(args.dtype, args.device)
+    dtype = resolve_dtype(args.dtype, args.device, args.quantization)
     print(format_machine(machine))
     measured: dict[int, float] = {}
     engine = None
@@ -325,9 +329,9 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
         from backfill.bench.offline import make_engine, measure_decode_step, warm_up
 
         max_len = max(args.max_model_len, args.context_len + args.measure_steps + 8)
-        engine = make_engine(args.model, "continuous", max(args.batch_sizes), args.dtype, args.device, max_len,
-                             num_threads=args.num_threads, quantization=args.quantization,
-                             prefill_budget=0)  # decode steps are timed: prompts go in as fast as they can
+        # decode steps are timed: prompts go in as fast as they can (no prefill budget)
+        engine = make_engine(EngineConfig.from_cli_args(args, max_num_seqs=max(args.batch_sizes),
+                                                        max_model_len=max_len, prefill_budget=0))
         shape, dtype = engine_model_shape(shape, engine)
     print(f"model {shape.name}: {shape.num_params / 1e6:.1f} M parameters, computed in {dtype}, "
           f"{shape.weight_bytes(dtype) / 1e6:.1f} MB of weights read per step")
@@ -351,8 +355,10 @@ def run_bench(args: argparse.Namespace) -> int:
         "compare": _cmd_compare, "roofline": _cmd_roofline,
     }
     try:
+        if getattr(args, "plot", False):
+            require_matplotlib()  # before the run, not after it
         return handlers[args.bench_command](args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, MissingExtraError) as error:
         print(f"backfill bench {args.bench_command}: {error}", file=sys.stderr)
         return 2
 

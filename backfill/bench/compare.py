@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from backfill.bench.offline import (
@@ -23,6 +23,7 @@ from backfill.bench.offline import (
 )
 from backfill.bench.roofline import MachineRoofline, ModelShape, describe_host, engine_model_shape, resolve_dtype
 from backfill.bench.workloads import WorkloadRequest, describe_workload
+from backfill.config import EngineConfig, Policy
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ SYSTEM_LABELS: dict[str, str] = {
     "hf": "transformers generate()",
 }
 # The backfill systems: name -> (policy, static_padding).
-ENGINE_SYSTEMS: dict[str, tuple[str, bool]] = {
+ENGINE_SYSTEMS: dict[str, tuple[Policy, bool]] = {
     "continuous": ("continuous", True),
     "static": ("static", True),
     "static_compact": ("static", False),
@@ -51,19 +52,25 @@ HEADLINE_FIELDS: tuple[str, ...] = (
 )
 
 
+def _default_engine() -> EngineConfig:
+    return EngineConfig(max_num_seqs=16, max_model_len=DEFAULT_MAX_MODEL_LEN)
+
+
 @dataclass(frozen=True)
 class CompareConfig:
-    model: str | None = None
-    dtype: str = "auto"
-    quantization: str = "auto"  # backfill's weight storage (transformers always runs dense)
-    device: str = "cpu"
-    batch_size: int = 16
+    # Every backfill system's engine but its policy and static_padding (ENGINE_SYSTEMS'), and
+    # what transformers shares of it: the model, dtype, device, threads and batch size.
+    # `quantization` is backfill's weight storage (transformers always runs dense).
+    engine: EngineConfig = field(default_factory=_default_engine)
     repeats: int = 3
     systems: tuple[str, ...] = DEFAULT_SYSTEMS
-    max_model_len: int = DEFAULT_MAX_MODEL_LEN
     price_per_hour: float | None = None
-    num_threads: int | None = None  # torch CPU threads for every system; None: torch's default
     show_progress: bool = True
+
+    @property
+    def batch_size(self) -> int:
+        """Every system's batch: backfill's max_num_seqs, generate()'s batch size."""
+        return self.engine.max_num_seqs
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(SYSTEMS)
@@ -133,9 +140,7 @@ def run_compare(
     for name, (policy, static_padding) in ENGINE_SYSTEMS.items():
         if name not in config.systems:
             continue
-        engine = make_engine(config.model, policy, config.batch_size, config.dtype, config.device, config.max_model_len,
-                             num_threads=config.num_threads, static_padding=static_padding,
-                             quantization=config.quantization)
+        engine = make_engine(replace(config.engine, policy=policy, static_padding=static_padding))
         if tokenized is None:
             tokenized = tokenize_workload(requests, lambda text: engine.tokenizer.encode(text, add_special_tokens=True))
         warm_up(engine)
@@ -156,11 +161,11 @@ def run_compare(
     if "hf" in config.systems:
         from backfill.bench.hf_baseline import load_hf_model, pad_token_id, run_hf_static
 
-        if config.num_threads is not None:
+        if config.engine.num_threads is not None:
             import torch
 
-            torch.set_num_threads(config.num_threads)
-        hf_model, tokenizer = load_hf_model(config.model, config.dtype, config.device)
+            torch.set_num_threads(config.engine.num_threads)
+        hf_model, tokenizer = load_hf_model(config.engine.model, config.engine.dtype, config.engine.device)
         if tokenized is None:
             tokenized = tokenize_workload(requests, lambda text: tokenizer.encode(text))
         pad_id = pad_token_id(tokenizer)
@@ -210,18 +215,19 @@ def build_report(
                     s["economics"]["cost_per_million_output_tokens"] for s in summaries)
                 medians[name]["idle_slot_cost_per_million_output_tokens"] = statistics.median(
                     s["economics"]["idle_slot_cost_per_million_output_tokens"] for s in summaries)
+    engine = config.engine
     return {
         "config": {
-            "model": config.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
-            "dtype": resolve_dtype(config.dtype, config.device),
-            "quantization": config.quantization,
-            "device": config.device,
+            "model": engine.model or "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
+            "dtype": resolve_dtype(engine.dtype, engine.device, engine.quantization),
+            "quantization": engine.quantization,
+            "device": engine.device,
             "batch_size": config.batch_size,
             "repeats": config.repeats,
             "systems": list(config.systems),
-            "max_model_len": config.max_model_len,
+            "max_model_len": engine.max_model_len,
             "price_per_hour": config.price_per_hour,
-            "num_threads": config.num_threads or describe_host().get("torch_threads"),
+            "num_threads": engine.num_threads or describe_host().get("torch_threads"),
         },
         "workload": describe_workload(list(requests)),
         "machine": machine.to_json() if machine is not None else None,

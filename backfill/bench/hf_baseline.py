@@ -19,8 +19,9 @@ from tqdm import tqdm
 
 from backfill.bench.metrics import RequestResult, result_from_token_times
 from backfill.bench.offline import OfflineRun
-from backfill.bench.roofline import default_model_path, resolve_dtype
+from backfill.bench.roofline import resolve_dtype
 from backfill.core.outputs import StepStats
+from backfill.model_files import is_gguf, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -30,13 +31,15 @@ def load_hf_model(model: str | None, dtype: str, device: str = "cpu") -> tuple[A
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(model or default_model_path())
+    path = Path(resolve_model_path(model))
     kwargs: dict[str, Any] = {}
-    if path.suffix == ".gguf":
+    if is_gguf(str(path)):
         kwargs["gguf_file"] = path.name
         path = path.parent
     tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, resolve_dtype(dtype)), **kwargs)
+    # transformers runs the dense model: "auto" is the dense engine's dtype.
+    torch_dtype = getattr(torch, resolve_dtype(dtype, device, quantization="none"))
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, **kwargs)
     hf_model.to(device).eval()
     return hf_model, tokenizer
 

@@ -22,6 +22,7 @@ from backfill.core.outputs import StepStats
 from backfill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from backfill.config import EngineConfig
     from backfill.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -40,37 +41,10 @@ class OfflineRun:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def make_engine(
-    model: str | None,
-    policy: str,
-    max_num_seqs: int,
-    dtype: str = "auto",
-    device: str = "cpu",
-    max_model_len: int | None = DEFAULT_MAX_MODEL_LEN,
-    max_num_batched_tokens: int = 2048,
-    seed: int = 0,
-    num_threads: int | None = None,
-    static_padding: bool = True,
-    quantization: str = "auto",
-    prefill_budget: int | None = None,
-) -> LLMEngine:
-    from backfill.config import EngineConfig
+def make_engine(config: EngineConfig) -> LLMEngine:
+    """The engine of `config`, loaded in this process (torch and the model load here)."""
     from backfill.engine.llm_engine import LLMEngine
 
-    config = EngineConfig(
-        model=model,
-        policy=policy,  # type: ignore[arg-type]
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        dtype=dtype,
-        quantization=quantization,
-        prefill_budget=prefill_budget,
-        device=device,
-        max_model_len=max_model_len,
-        seed=seed,
-        num_threads=num_threads,
-        static_padding=static_padding,
-    )
     return LLMEngine(config)
 
 

@@ -1,7 +1,8 @@
 """PNG figures of benchmark runs (matplotlib, Agg backend: no display needed).
 
 Inputs are plain data (lists of slot states, result dicts), so plots are drawn the same from
-a live run or from saved JSON.
+a live run or from saved JSON. matplotlib is the optional extra `bench`: it is imported when a
+figure is drawn, and `require_matplotlib()` says what to install where it is missing.
 """
 
 from __future__ import annotations
@@ -10,18 +11,37 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.colors import ListedColormap  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+INSTALL_HINT = "pip install 'backfill[bench]'"
 
 SLOT_STATES: tuple[str, ...] = ("useful", "idle", "empty")
 SLOT_COLORS: tuple[str, ...] = ("#2e9e4f", "#e8833a", "#e6e6e6")  # green, orange, light grey
 ADMIT_COLOR = "#0b4d1f"  # dark green: the step a new request took the slot
 ADMIT_CODE = len(SLOT_STATES)
+
+
+class MissingExtraError(RuntimeError):
+    """An optional dependency is not installed; the message says how to install it."""
+
+
+def require_matplotlib() -> None:
+    """Raise MissingExtraError, naming the extra to install, where matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise MissingExtraError(f"plots need matplotlib, backfill's optional `bench` extra: {INSTALL_HINT}") from exc
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (files only, no display)."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def slot_matrix(
@@ -67,6 +87,10 @@ def plot_slot_timeline(
     that has finished, or waits for its batch), or empty (nothing admitted). With
     `request_ids`, a dark tick marks each step where a new request took a slot.
     """
+    plt = _pyplot()
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
     names = list(timelines)
     fig, axes = plt.subplots(len(names), 1, figsize=(12, 1.2 + 1.6 * len(names)), sharex=True, squeeze=False)
     cmap = ListedColormap(list(SLOT_COLORS) + [ADMIT_COLOR])
@@ -102,6 +126,7 @@ def _rate_value(rate: Any, finite_rates: Sequence[float]) -> float:
 
 def plot_rate_sweep(series: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path) -> Path:
     """Output throughput and p99 TTFT vs request rate, one line per server / system."""
+    plt = _pyplot()
     fig, (ax_tp, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4))
     for name, results in series.items():
         finite = [float(r["request_rate"]) for r in results
@@ -129,6 +154,7 @@ def plot_rate_sweep(series: Mapping[str, Sequence[Mapping[str, Any]]], path: str
 def plot_latency_cdf(series: Mapping[str, Mapping[str, Sequence[float]]], path: str | Path) -> Path:
     """CDFs of TTFT and end-to-end latency (seconds in, seconds on the axis), one line per system."""
     metrics = [("ttft", "time to first token (s)"), ("e2el", "end-to-end latency (s)")]
+    plt = _pyplot()
     fig, axes = plt.subplots(1, len(metrics), figsize=(11, 4))
     for ax, (key, label) in zip(axes, metrics):
         for name, values in series.items():
@@ -150,5 +176,5 @@ def _save(fig: Any, path: str | Path) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
     return out

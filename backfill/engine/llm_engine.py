@@ -22,9 +22,9 @@ from backfill.core.scheduler import Scheduler
 from backfill.engine.core import EngineCore
 from backfill.engine.output_processor import OutputProcessor
 from backfill.engine.processor import InputProcessor
-from backfill.model.tokenizer import Tokenizer, load_tokenizer
 from backfill.outputs import RequestOutput
 from backfill.sampling_params import SamplingParams
+from backfill.tokenizer import Tokenizer, load_tokenizer
 from backfill.worker.model_runner import ModelRunner
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from backfill.engine.messages import CoreInfo, EngineCoreRequest
 from backfill.sampling_params import SamplingParams
-from backfill.model.tokenizer import Tokenizer
+from backfill.tokenizer import Tokenizer
 
 
 @dataclass

@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
-from backfill.config import DTYPES, POLICIES, QUANTIZATIONS
-
-
-def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--policy", choices=POLICIES, default="continuous")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
-                        help="weight storage: auto (a GGUF as stored), none (expanded to --dtype), int8, fp16")
-    parser.add_argument("--device", default="cpu")
+from backfill.config import EngineConfig
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -30,10 +22,11 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=-1)
-    generate.add_argument("--seed", type=int, default=None)
-    _add_engine_arguments(generate)
+    generate.add_argument("--seed", type=int, default=None, help="this request's sampling seed")
+    # --seed above is the request's, so the engine's (seeding requests without one) is left out.
+    EngineConfig.add_cli_args(generate, exclude=("seed",))
 
-    from backfill.entrypoints.openai.api_server import add_serve_arguments
+    from backfill.entrypoints.openai.launcher import add_serve_arguments
 
     serve = commands.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     add_serve_arguments(serve)
@@ -56,11 +49,11 @@ def _generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
         )
+        config = EngineConfig.from_cli_args(args)
     except ValueError as error:
         print(f"backfill generate: {error}", file=sys.stderr)
         return 2
-    llm = LLM(model=args.model, policy=args.policy, dtype=args.dtype, quantization=args.quantization,
-              device=args.device)
+    llm = LLM(**dataclasses.asdict(config))
     try:
         if args.chat:
             output = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
@@ -79,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve":
-        from backfill.entrypoints.openai.api_server import run_server
+        from backfill.entrypoints.openai.launcher import run_server
 
         return run_server(args)
     from backfill.bench.cli import run_bench

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from backfill.kernels import extension
-from backfill.model.loader import _GGUFFile, default_model_path
+from backfill.model.loader import _GGUFFile
+from backfill.model_files import default_model_path
 
 
 @dataclass(frozen=True)

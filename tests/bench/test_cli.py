@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from backfill.bench.workloads import load_workload
 
 
@@ -34,6 +36,17 @@ def test_bad_input_is_a_clean_error(tmp_path: Path) -> None:
     bad.write_text('{"prompt": "x"}\n')
     proc = _bench("serve", "--base-url", "http://127.0.0.1:9", "--workload", str(bad))
     assert proc.returncode == 2 and "max_tokens" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", [["serve", "--base-url", "http://127.0.0.1:9"], ["compare"]])
+def test_plot_without_matplotlib_names_the_extra(tmp_path: Path, command: list[str]) -> None:
+    workload = tmp_path / "w.jsonl"
+    workload.write_text('{"prompt": "x", "max_tokens": 2}\n')
+    hide = "import sys; sys.modules['matplotlib'] = None; from backfill.bench.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", hide, *command, "--workload", str(workload), "--plot"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"backfill bench {command[0]}: " in proc.stderr and "pip install 'backfill[bench]'" in proc.stderr
 
 
 def test_roofline_command_with_measured_steps(tmp_path: Path) -> None:

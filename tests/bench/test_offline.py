@@ -20,6 +20,7 @@ from backfill.bench.offline import (
 )
 from backfill.bench.roofline import MachineRoofline, load_model_shape
 from backfill.bench.workloads import WorkloadRequest, WorkloadSpec, generate_workload
+from backfill.config import POLICIES, EngineConfig
 
 SLOTS = 4
 WORKLOAD = generate_workload(
@@ -29,7 +30,8 @@ WORKLOAD = generate_workload(
 
 @pytest.fixture(scope="module")
 def engines() -> dict[str, object]:
-    built = {policy: make_engine(None, policy, SLOTS, dtype="float32", max_model_len=256) for policy in ("continuous", "static")}
+    built = {policy: make_engine(EngineConfig(policy=policy, max_num_seqs=SLOTS, dtype="float32", max_model_len=256))
+             for policy in POLICIES}
     for engine in built.values():
         warm_up(engine)  # type: ignore[arg-type]
     return built

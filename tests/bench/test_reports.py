@@ -109,8 +109,21 @@ def test_ideal_decode_step_matches_hand_arithmetic() -> None:
     # KV read adds bytes: 64 seqs x 512 tokens x (2 x 30 x 3 x 64 x 2 bytes)
     with_kv = ideal_step(SMOL, MACHINE, "bfloat16", 1, 1, 512)
     assert with_kv["bytes"] - one["bytes"] == 512 * 23040
-    auto = resolve_dtype("auto")  # the machine's fast dtype for a dense model
+    auto = resolve_dtype("auto")  # what the engine computes in on this machine
     assert ideal_step(SMOL, MACHINE, "auto", 1, 1, 0) == ideal_step(SMOL, MACHINE, auto, 1, 1, 0)
+
+
+def test_auto_dtype_means_what_the_engines_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with native bf16, the engine's "auto" runs the CPU kernels in float32, and the
+    dense model (quantization "none", as transformers runs) in bfloat16."""
+    import torch
+
+    from backfill import kernels
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert resolve_dtype("auto", "cpu", quantization="none") == "bfloat16"
+    assert resolve_dtype("auto", "cpu") == ("float32" if kernels.available() else "bfloat16")
+    assert resolve_dtype("float16", "cpu") == "float16"
 
 
 def test_weights_as_stored_are_charged_their_own_bytes() -> None:
@@ -144,13 +157,14 @@ def test_model_shape_from_the_default_gguf_and_an_hf_folder(tmp_path: Path) -> N
     # an HF folder: config.json and a safetensors header are enough
     (tmp_path / "config.json").write_text(json.dumps({
         "num_attention_heads": 4, "num_hidden_layers": 2, "hidden_size": 32, "vocab_size": 100,
-        "num_key_value_heads": 2, "tie_word_embeddings": False}))
-    header = json.dumps({"a": {"dtype": "F32", "shape": [100, 32], "data_offsets": [0, 12800]},
-                         "b": {"dtype": "F32", "shape": [32, 32], "data_offsets": [12800, 16896]}}).encode()
-    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16896)
+        "intermediate_size": 64, "num_key_value_heads": 2, "tie_word_embeddings": False}))
+    header = json.dumps({"model.embed_tokens.weight": {"dtype": "F32", "shape": [100, 32], "data_offsets": [0, 12800]},
+                         "model.norm.weight": {"dtype": "F32", "shape": [32], "data_offsets": [12800, 12928]},
+                         "lm_head.weight": {"dtype": "F32", "shape": [100, 32], "data_offsets": [12928, 25728]}})
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode() + b"\0" * 25728)
     hf = load_model_shape(str(tmp_path))
-    assert hf.num_params == 100 * 32 + 32 * 32 and hf.head_dim == 8 and not hf.tie_word_embeddings
-    assert hf.matmul_params == 32 * 32  # an untied embedding is a lookup
+    assert hf.num_params == 2 * 100 * 32 + 32 and hf.head_dim == 8 and not hf.tie_word_embeddings
+    assert hf.matmul_params == 100 * 32 + 32  # an untied embedding is a lookup
 
 
 def test_admissions_are_marked_when_request_ids_are_given() -> None:

@@ -196,7 +196,8 @@ def test_backfill_isa_env_lowers_the_choice() -> None:
 def test_default_model_tensors(restore_isa: None) -> None:
     """A Q4_1 matrix and the Q8_0 embedding / LM head of the default model, as shipped."""
     try:
-        from backfill.model.loader import _GGUFFile, default_model_path
+        from backfill.model.loader import _GGUFFile
+        from backfill.model_files import default_model_path
 
         f = _GGUFFile(default_model_path())
     except FileNotFoundError as exc:

@@ -11,8 +11,9 @@ import torch
 from backfill import kernels
 from backfill.model.cpu_decoder import CpuDecoder, load_cpu_decoder
 from backfill.model.llama import LlamaForCausalLM
-from backfill.model.loader import default_model_path, load_model
-from backfill.model.tokenizer import Tokenizer, load_tokenizer
+from backfill.model.loader import load_model
+from backfill.model_files import default_model_path
+from backfill.tokenizer import Tokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="session")

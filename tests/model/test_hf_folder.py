@@ -15,6 +15,7 @@ from backfill.model.layers import compute_inv_freq, rope_attention_factor
 from backfill.model.llama import LlamaForCausalLM
 from backfill.model.loader import load_model, load_stored_weights
 from backfill.model.quant import F16, Q8_0, QuantWeight
+from backfill.model_files import read_model_config
 from tests.model.paged_driver import PagedDriver
 
 LLAMA3_ROPE = {
@@ -70,6 +71,7 @@ def test_tiny_folder_logits_match_transformers(kind: str, path: str, tmp_path: P
             ours.prepack_weights()
     assert ours.config.tie_word_embeddings == (kind == "llama_tied")
     assert ours.config.attention_bias == kind.startswith("qwen2")
+    assert read_model_config(str(tmp_path)) == ours.config  # what a front end reads, without torch
     gen = torch.Generator().manual_seed(1)
     # Long enough to pass original_max_position_embeddings (32) for the llama3 variant.
     seqs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (70, 9, 33)]

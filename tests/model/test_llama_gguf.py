@@ -8,7 +8,7 @@ import torch
 
 from backfill.model.llama import LlamaForCausalLM
 from backfill.model.loader import load_model
-from backfill.model.tokenizer import Tokenizer
+from backfill.tokenizer import Tokenizer
 from tests.model.paged_driver import PagedDriver
 
 # Logits are O(10-30); the two fp32 implementations differ only in op order and fusion

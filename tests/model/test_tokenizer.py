@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from backfill.model.tokenizer import Tokenizer, load_tokenizer
+from backfill.tokenizer import Tokenizer, load_tokenizer
 from tests.chat_injection import as_text_oracle, hostile_text, special_tokens
 
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -72,6 +72,25 @@ def test_chat_template_equals_transformers_and_chatml(tokenizer: Tokenizer) -> N
 def test_chat_template_rejects_bad_messages(tokenizer: Tokenizer, messages: object) -> None:
     with pytest.raises(ValueError, match="^messages: "):
         tokenizer.apply_chat_template(messages)  # type: ignore[arg-type]
+
+
+def test_gguf_tokenizer_is_what_autotokenizer_builds(tokenizer: Tokenizer, gguf_path: str) -> None:
+    """load_tokenizer rebuilds a GGUF's tokenizer without transformers' (torch-importing) GGUF
+    reader: the result must be the tokenizer AutoTokenizer makes of the same file."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(Path(gguf_path).parent), gguf_file=Path(gguf_path).name)
+    ours = tokenizer.hf
+    assert type(ours) is type(reference)
+    assert ours.backend_tokenizer.to_str() == reference.backend_tokenizer.to_str()
+    assert len(ours) == len(reference) and ours.special_tokens_map == reference.special_tokens_map
+    assert str(ours.added_tokens_decoder) == str(reference.added_tokens_decoder)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "add_bos_token", "add_eos_token",
+                 "chat_template", "clean_up_tokenization_spaces", "model_max_length", "padding_side"):
+        assert getattr(ours, name) == getattr(reference, name), name
+    text = "Hello <|im_start|> world  \n\n  Ünïcödé 🚀 123<|im_end|>"
+    assert ours.encode(text) == reference.encode(text)
+    assert ours.decode(ours.encode(text)) == reference.decode(reference.encode(text))
 
 
 def test_hf_folder_tokenizer_and_eos_from_generation_config(tokenizer: Tokenizer, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import pytest
 from backfill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError,
                                           RequestFailedError)
 from backfill.engine.core_process import CoreStartError, CoreProcess
-from backfill.model.tokenizer import Tokenizer, load_tokenizer
+from backfill.tokenizer import Tokenizer, load_tokenizer
 from backfill.outputs import RequestOutput
 from backfill.sampling_params import SamplingParams
 from tests.server.fake_core import failing_factory, start_fake_core

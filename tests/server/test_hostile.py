@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from backfill.model.tokenizer import Tokenizer, load_tokenizer
+from backfill.tokenizer import Tokenizer, load_tokenizer
 from tests.chat_injection import as_text_oracle, hostile_text, special_tokens
 from tests.server.harness import MODEL, ServerProcess, engine_idle, start_server, wait_until
 

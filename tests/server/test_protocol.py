@@ -54,7 +54,7 @@ def test_value_error_names_the_renamed_field() -> None:
 
 
 def test_token_text_gives_exact_bytes_for_partial_characters() -> None:
-    from backfill.model.tokenizer import load_tokenizer
+    from backfill.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(None)
     token_text = TokenText(tokenizer)

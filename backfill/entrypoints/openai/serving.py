@@ -33,7 +33,7 @@ from backfill.outputs import CompletionOutput, RequestOutput
 from backfill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from backfill.model.tokenizer import Tokenizer
+    from backfill.tokenizer import Tokenizer
 
 RETRY_AFTER_S = 1
 LONG_TEXT_CHARS = 20_000  # longer texts are tokenized in a worker thread, off the event loop

@@ -6,7 +6,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from backfill.model.tokenizer import Tokenizer
+    from backfill.tokenizer import Tokenizer
 
 
 def _byte_decoder() -> dict[str, int]:

@@ -2,6 +2,9 @@
 
 The wrapper pins down the few calls the engine and server make (encode, decode, chat
 template) and the special ids they need, so nothing else depends on transformers' API.
+Nothing here needs torch: a GGUF's tokenizer is rebuilt without it (`_gguf_tokenizer`). A
+Hugging Face folder's goes through transformers' AutoTokenizer, whose config classes import
+torch where it is installed.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import secrets
 import time
 from typing import Any
 
-from backfill.model.loader import is_gguf, resolve_model_path
+from backfill.model_files import GGUFHeader, is_gguf, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -213,15 +216,46 @@ def _folder_eos_ids(path: str) -> tuple[int, ...]:
 def load_tokenizer(model: str | None) -> Tokenizer:
     """The tokenizer of `model` (same resolution as load_model): a HF folder's tokenizer files,
     or rebuilt from a GGUF file's metadata (a few seconds)."""
-    from transformers import AutoTokenizer
-
     start = time.perf_counter()
     path = resolve_model_path(model)
     if is_gguf(path):
-        hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-        tokenizer = Tokenizer(hf)
+        tokenizer = Tokenizer(_gguf_tokenizer(path))
     else:
-        hf = AutoTokenizer.from_pretrained(path)
-        tokenizer = Tokenizer(hf, _folder_eos_ids(path))
+        from transformers import AutoTokenizer
+
+        tokenizer = Tokenizer(AutoTokenizer.from_pretrained(path), _folder_eos_ids(path))
     logger.info("loaded tokenizer of %s in %.1f s", path, time.perf_counter() - start)
     return tokenizer
+
+
+# The special tokens a GGUF names by id (transformers' gguf_tokenizer_mapping._SPECIAL_TOKENS).
+_GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+                        "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+
+
+def _gguf_tokenizer(path: str) -> Any:
+    """What `AutoTokenizer.from_pretrained(folder, gguf_file=name)` builds for our architectures
+    (a TokenizersBackend over transformers' GGUF converters), from our header reader.
+
+    NOTE: transformers' own GGUF metadata reader imports torch; this mirrors its
+    `get_gguf_tokenizer` (transformers 5.23) around GGUFHeader, and tests/model/test_tokenizer.py
+    checks the result against AutoTokenizer's.
+    """
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    metadata = GGUFHeader(path, skip_arrays=()).metadata
+    grouped = {
+        group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata}
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    tokenizer_dict, tokenizer_config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        # llama.cpp adds BOS to a sentencepiece vocabulary whose file does not say otherwise.
+        tokenizer_config.setdefault("add_bos_token", True)
+    for name, key in _GGUF_SPECIAL_TOKENS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        tokenizer_config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None  # type: ignore[index]
+    backend, extra_kwargs = convert_gguf_tokenizer(str(metadata["general.architecture"]), tokenizer_dict)
+    return TokenizersBackend(tokenizer_object=backend, name_or_path=os.path.dirname(path),
+                             **tokenizer_config, **extra_kwargs)

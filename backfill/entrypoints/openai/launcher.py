@@ -1,0 +1,195 @@
+"""Starting the HTTP server: `backfill serve` options, uvicorn, and the SIGTERM drain.
+
+The app itself (routes, gate, errors, `app.state.drain`) is api_server.build_app; this module
+parses the options, loads the engine, runs uvicorn, and turns the first SIGTERM/SIGINT into a
+drain with a deadline (DrainingServer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Awaitable, Callable
+from types import FrameType
+from typing import TYPE_CHECKING, NoReturn
+
+import uvicorn
+
+from backfill.config import EngineConfig
+from backfill.engine.core_process import CoreProcess, CoreStartError, make_engine_core
+from backfill.engine.messages import CoreInfo
+from backfill.entrypoints.openai.api_server import build_app
+from backfill.entrypoints.openai.serving import DEFAULT_MAX_SEQS_PER_REQUEST
+from backfill.entrypoints.openai.transport import DEFAULT_READ_TIMEOUT_S, ReadTimeoutH11Protocol, RedactSecretsFilter
+
+if TYPE_CHECKING:
+    from backfill.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# After the grace period (api_server.ABORT_FLUSH_S for aborted responses): how long uvicorn
+# waits for connections to close, and when the process exits whatever is still going on (a
+# long step, a stuck connection): --shutdown-timeout + EXIT_GRACE_S after the signal.
+CLOSE_CONNECTIONS_S = 0.3
+EXIT_GRACE_S = 1.0
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `backfill serve` options (also `python -m backfill.entrypoints.openai.api_server`):
+    the server's own, then every EngineConfig field's (EngineConfig.add_cli_args)."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: $BACKFILL_API_KEY)")
+    parser.add_argument("--served-model-name", default=None, help="the model id clients use (default: the model's name)")
+    parser.add_argument("--max-queue", type=int, default=None,
+                        help="sequences that find no free batch slot beyond which requests get 429 (default: no limit)")
+    parser.add_argument("--max-seqs-per-request", type=int, default=DEFAULT_MAX_SEQS_PER_REQUEST,
+                        help="most sequences (prompts x n) one request may create; more is a 400")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish after SIGTERM; the process exits by then")
+    parser.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                        help="seconds a client gets to send a whole request (headers and body); then it is disconnected")
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    EngineConfig.add_cli_args(parser)
+
+
+def exit_now(status: int) -> NoReturn:
+    """End the process without the interpreter's teardown, logs and stdio flushed first.
+
+    NOTE: tearing down torch, the weights and the KV cache takes a second or more (more on a
+    loaded machine), which a SIGTERM deadline has no room for; nothing of it needs doing.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM/SIGINT drains the app instead of closing the socket.
+
+    uvicorn's own handling closes the listening socket at once (new clients would see
+    'connection refused', not a 503) and re-raises the signal on exit (exit status -15).
+    A second signal exits at once. Whatever happens, the process is gone `shutdown_timeout`
+    + EXIT_GRACE_S seconds after the first signal (a watchdog thread sees to it).
+    """
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]],
+                 shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.drain_started = False
+        self.exit_status: int | None = None
+
+    def exit_with(self, status: int) -> None:
+        """Stop serving (connections get CLOSE_CONNECTIONS_S to close); `run()` returns and
+        the process exits with `status`."""
+        self.exit_status = status
+        self.should_exit = True
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain_started or self._loop is None:
+            logger.warning("second signal: exiting now")
+            self.should_exit = self.force_exit = True
+            return
+        self.drain_started = True
+        logger.warning("received %s: draining", signal.Signals(sig).name)
+        watchdog = threading.Timer(self._shutdown_timeout + EXIT_GRACE_S, self._exit_late)
+        watchdog.daemon = True
+        watchdog.start()
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
+
+    @staticmethod
+    def _exit_late() -> None:
+        logger.warning("still shutting down %.1f s after the grace period: exiting now", EXIT_GRACE_S)
+        exit_now(0)
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._drain()
+        finally:
+            self.should_exit = True
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Load the engine, serve until SIGTERM/SIGINT, drain, exit. Returns the exit status."""
+    for flag, value, ok in (("--max-queue", args.max_queue, args.max_queue is None or args.max_queue >= 1),
+                            ("--max-seqs-per-request", args.max_seqs_per_request, args.max_seqs_per_request >= 1),
+                            ("--read-timeout", args.read_timeout, args.read_timeout > 0),
+                            ("--shutdown-timeout", args.shutdown_timeout, args.shutdown_timeout >= 0)):
+        if not ok:
+            logger.error("invalid %s: %s", flag, value)
+            return 2
+    try:
+        config = EngineConfig.from_cli_args(args)
+    except ValueError as error:
+        logger.error("invalid engine option: %s", error)
+        return 2
+    from backfill.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model)
+    # NOTE: started from the main thread: the core dies with the thread that started it.
+    core = CoreProcess(functools.partial(make_engine_core, config))
+    try:
+        info = core.start()
+    except CoreStartError as error:
+        logger.error("%s", error)
+        core.close()
+        return 1
+    try:
+        status, drained = _serve(args, core, info, tokenizer)
+    finally:
+        core.kill()  # whatever happened: no core outlives the server
+    if drained:  # after a signal: exit at once, see exit_now
+        exit_now(status)
+    return status
+
+
+def _serve(args: argparse.Namespace, core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer) -> tuple[int, bool]:
+    """Serve until told to stop; returns the exit status and whether a signal drained the app."""
+    api_key = args.api_key or os.environ.get("BACKFILL_API_KEY") or None
+    app = build_app(core, info, tokenizer, served_model_name=args.served_model_name, api_key=api_key,
+                    max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
+                    max_seqs_per_request=args.max_seqs_per_request)
+    # NOTE: h11 explicitly (not httptools, were it installed): the read timeout hooks into it.
+    http = functools.partial(ReadTimeoutH11Protocol, read_timeout=args.read_timeout)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, access_log=args.access_log, http=http,
+                               log_level="info", timeout_graceful_shutdown=CLOSE_CONNECTIONS_S, lifespan="on")
+    # After uvicorn.Config, which configures its loggers (and would drop a filter added before).
+    logging.getLogger("uvicorn.access").addFilter(RedactSecretsFilter())
+    server = DrainingServer(uv_config, app.state.drain, args.shutdown_timeout)
+    app.state.exit = server.exit_with
+    logger.info("serving %s as %r on http://%s:%d", args.model or "the default model",
+                args.served_model_name or info.model_name, args.host, args.port)
+    server.run()
+    status = 0 if server.started else 1
+    return (status if server.exit_status is None else server.exit_status), server.drain_started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backfill.entrypoints.openai.api_server",
+                                     description="OpenAI-compatible server for backfill")
+    add_serve_arguments(parser)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_server(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
