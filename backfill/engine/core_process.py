@@ -170,8 +170,8 @@ def _serve(core: CoreLike, inputs: zmq.Socket, outputs: zmq.Socket, encoder: msg
 class CoreProcess:
     """The front end's handle on a core process.
 
-    `start()` (blocking: the model loads) returns the core's `CoreInfo`; call it from the main
-    thread, whose exit is what PR_SET_PDEATHSIG watches. Then `attach()` on the event loop that
+    `start()` (blocking: the model loads; or `launch()`, then `wait_ready()`) returns the core's
+    `CoreInfo`; call it from the main thread, whose exit is what PR_SET_PDEATHSIG watches. Then `attach()` on the event loop that
     consumes the outputs. `send()` never blocks. `shutdown()` stops the core; `kill()` is the
     last resort of every exit path.
     """
@@ -199,12 +199,22 @@ class CoreProcess:
 
     def start(self, timeout: float | None = None) -> CoreInfo:
         """Start the process and wait until its core is built. Raises `CoreStartError`."""
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the process; the core builds itself while the caller does something else."""
         context = multiprocessing.get_context("spawn")
         self.process = context.Process(
             target=run_core_process, name="backfill-core", daemon=True,
             args=(self._factory, self._inputs.getsockopt_string(zmq.LAST_ENDPOINT),
                   self._outputs.getsockopt_string(zmq.LAST_ENDPOINT), os.getpid(), self._log_level))
         self.process.start()
+
+    def wait_ready(self, timeout: float | None = None) -> CoreInfo:
+        """Wait until the launched core is built; its `CoreInfo`. Raises `CoreStartError` (and
+        kills the process) if it failed, died or took longer than `timeout` seconds."""
+        assert self.process is not None, "launch() first"
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not self._outputs.poll(100):

@@ -3,6 +3,9 @@ curl request coherently (`make serve` runs exactly this command after setting up
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 
 from tests.server.harness import MODEL, NUM_KV_BLOCKS, NUM_THREADS, start_server
@@ -21,3 +24,12 @@ def test_backfill_serve_with_defaults_answers_the_readme_request() -> None:
         assert "Paris" in answer, answer
     finally:
         server.stop()
+
+
+def test_a_model_that_cannot_be_found_is_one_clear_line_and_status_1(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    missing = str(tmp_path / "no-such-model.gguf")
+    result = subprocess.run([sys.executable, "-m", "backfill.entrypoints.openai.api_server", "--model", missing],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert "no-such-model.gguf" in result.stderr and "does not download models" in result.stderr
+    assert "Traceback" not in result.stderr

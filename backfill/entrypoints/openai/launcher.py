@@ -142,15 +142,19 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     from backfill.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(config.model)
     # NOTE: started from the main thread: the core dies with the thread that started it.
     core = CoreProcess(functools.partial(make_engine_core, config))
+    core.launch()  # the model loads there while the tokenizer loads here
     try:
-        info = core.start()
-    except CoreStartError as error:
+        tokenizer = load_tokenizer(config.model)
+        info = core.wait_ready()
+    except (CoreStartError, OSError, ValueError) as error:  # no such model, or one we cannot load
         logger.error("%s", error)
         core.close()
         return 1
+    except BaseException:
+        core.close()
+        raise
     try:
         status, drained = _serve(args, core, info, tokenizer)
     finally:
