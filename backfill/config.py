@@ -59,6 +59,9 @@ class EngineConfig:
     prefill_budget: int | None = None
     static_padding: bool = True
     prepack_weights: bool = True  # CPU fp32: linear weights in oneDNN's packed layout (model/prepack.py)
+    # Full KV blocks are kept, keyed by a hash of their whole prefix, and shared by later
+    # requests that start with the same tokens (core/kv_cache_manager.py).
+    enable_prefix_caching: bool = True
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, exclude: Collection[str] = ()) -> None:
@@ -109,6 +112,9 @@ class EngineConfig:
                  "as in fixed-shape batches")
         add("--prepack-weights", action=argparse.BooleanOptionalAction,
             help="dense CPU float32 model: linear weights in oneDNN's packed layout")
+        add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+            help="reuse the KV blocks of a prompt prefix computed before (shared system prompts, "
+                 "multi-turn chats)")
         assert set(added) == set(defaults) - set(exclude), "every field has exactly one flag"
         parser.set_defaults(**{_CLI_FIELDS: tuple(added)})
 

@@ -52,6 +52,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # Prompt tokens whose K/V came from the prefix cache (n > 1: the most any sequence found).
+    num_cached_tokens: int = 0
 
     # Shortcuts to the first completion: what `n == 1` users read.
     @property

@@ -49,6 +49,14 @@ def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--long-prompt-words", type=int, default=6000, help="long-prompt: words of the long prompt")
     group.add_argument("--long-prompt-arrival", type=float, default=2.0, help="long-prompt: its arrival (s)")
+    group.add_argument("--system-prompt-tokens", type=int, default=512,
+                       help="shared-prefix / multi-turn: tokens of the system prompt every request starts with")
+    group.add_argument("--user-tokens", type=int, nargs=2, default=(32, 64), metavar=("MIN", "MAX"),
+                       help="shared-prefix / multi-turn: tokens of each user turn")
+    group.add_argument("--token-id-range", type=int, nargs=2, default=(1000, 20000), metavar=("MIN", "MAX"),
+                       help="shared-prefix / multi-turn: prompt token ids are drawn from this range")
+    group.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    group.add_argument("--turn-interval", type=float, default=10.0, help="multi-turn: seconds between turns")
 
 
 def _spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
@@ -58,6 +66,8 @@ def _spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
         uniform_tokens=tuple(args.uniform_tokens), prompt_words=tuple(args.prompt_words),
         arrival=args.arrival, request_rate=args.arrival_rate, burstiness=args.arrival_burstiness, seed=args.seed,
         long_prompt_words=args.long_prompt_words, long_prompt_arrival=args.long_prompt_arrival,
+        system_prompt_tokens=args.system_prompt_tokens, user_tokens=tuple(args.user_tokens),
+        token_id_range=tuple(args.token_id_range), num_turns=args.num_turns, turn_interval=args.turn_interval,
     )
 
 
@@ -209,6 +219,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if delta is not None:
             status = "matches" if int(delta) == result["total_output_tokens"] else "DOES NOT match"
             print(f"server /metrics generation tokens delta: {delta:.0f} ({status} the {result['total_output_tokens']} received)")
+        server_rate = result["server_prefix_cache_hit_rate"]
+        if server_rate is not None:
+            print(f"server /metrics prefix cache hit rate: {100 * server_rate:.2f}% "
+                  f"(from the responses' usage: {100 * result['prefix_cache_hit_rate']:.2f}%)")
         if args.price_per_hour is not None:
             wasted = None
             if args.num_slots:

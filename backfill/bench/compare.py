@@ -48,7 +48,7 @@ HEADLINE_FIELDS: tuple[str, ...] = (
     "duration", "output_throughput", "request_throughput", "total_output_tokens",
     "median_e2el_ms", "p50_e2el_ms", "p99_e2el_ms", "median_ttft_ms", "p99_ttft_ms",
     "median_tpot_ms", "p99_itl_ms", "useful_slot_share", "idle_slot_share", "empty_slot_share",
-    "num_steps", "median_step_ms", "roofline_efficiency",
+    "num_steps", "median_step_ms", "roofline_efficiency", "prefix_cache_hit_rate",
 )
 
 
@@ -259,6 +259,10 @@ def format_compare(report: dict[str, Any]) -> str:
         lines.append(line)
     ratios = report["ratios"]
     lines.append("")
+    hit_rates = {name: m.get("prefix_cache_hit_rate") for name, m in medians.items()}
+    if any(hit_rates.values()):
+        lines.append("prefix cache hit rate: " + ", ".join(
+            f"{SYSTEM_LABELS[name]} {100 * (rate or 0.0):.1f}%" for name, rate in hit_rates.items()))
     for other in BASELINES:
         key = f"continuous_vs_{other}_output_throughput"
         if ratios.get(key) is not None:

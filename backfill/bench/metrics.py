@@ -28,6 +28,7 @@ class RequestResult:
 
     success: bool
     prompt_len: int = 0
+    cached_len: int = 0  # prompt tokens the server found in its prefix cache (0: none or not reported)
     output_len: int = 0  # output tokens actually received
     expected_output_len: int = 0  # what the workload asked for
     start_time: float = 0.0  # when it was sent / arrived (any clock, same as the run's)
@@ -73,6 +74,7 @@ def result_from_token_times(
     prompt_len: int = 0,
     end_time: float | None = None,
     generated_text: str = "",
+    cached_len: int = 0,
 ) -> RequestResult:
     """A successful result from the times its token events arrived.
 
@@ -83,6 +85,7 @@ def result_from_token_times(
     return RequestResult(
         success=True,
         prompt_len=prompt_len,
+        cached_len=cached_len,
         output_len=output_len,
         expected_output_len=expected_output_len,
         start_time=start_time,
@@ -209,6 +212,10 @@ def summarize(
         "completed": len(done),
         "failed": len(results) - len(done),
         "total_input_tokens": total_input,
+        # Prefix caching: prompt tokens served from the cache (the server's usage
+        # `prompt_tokens_details.cached_tokens`), and their share of all prompt tokens.
+        "total_cached_input_tokens": sum(r.cached_len for r in done),
+        "prefix_cache_hit_rate": sum(r.cached_len for r in done) / total_input if total_input else 0.0,
         "total_output_tokens": total_output,
         "request_throughput": len(done) / duration,
         "request_goodput": (
@@ -246,6 +253,8 @@ def format_summary(summary: dict[str, Any], title: str = "Serving Benchmark Resu
     row("Failed requests:", summary["failed"])
     row("Benchmark duration (s):", summary["duration"])
     row("Total input tokens:", summary["total_input_tokens"])
+    if "prefix_cache_hit_rate" in summary:
+        row("Prefix cache hit rate (%):", 100 * summary["prefix_cache_hit_rate"])
     row("Total generated tokens:", summary["total_output_tokens"])
     row("Request throughput (req/s):", summary["request_throughput"])
     if summary.get("request_goodput") is not None:

@@ -120,7 +120,7 @@ def run_offline_workload(
                 if token_times[index]:
                     results[index] = result_from_token_times(
                         arrival, token_times[index], num_tokens[index], requests[index].max_tokens,
-                        prompt_len=len(output.prompt_token_ids),
+                        prompt_len=len(output.prompt_token_ids), cached_len=output.num_cached_tokens,
                     )
                 else:
                     results[index] = RequestResult(success=False, expected_output_len=requests[index].max_tokens,

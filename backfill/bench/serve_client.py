@@ -28,6 +28,9 @@ from backfill.bench.workloads import WorkloadRequest, draw_arrival_times, with_a
 logger = logging.getLogger(__name__)
 
 GENERATION_TOKENS_SUFFIX = "generation_tokens_total"
+PREFIX_QUERIES_SUFFIX = "prefix_cache_queries_total"
+PREFIX_HITS_SUFFIX = "prefix_cache_hits_total"
+COUNTER_SUFFIXES = (GENERATION_TOKENS_SUFFIX, PREFIX_QUERIES_SUFFIX, PREFIX_HITS_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class _StreamState:
     text_parts: list[str] = field(default_factory=list)
     usage_completion_tokens: int | None = None
     usage_prompt_tokens: int | None = None
+    usage_cached_tokens: int = 0
 
 
 def _headers(config: ServeBenchConfig) -> dict[str, str]:
@@ -100,6 +104,9 @@ def _consume_event(data: str, state: _StreamState, now: float) -> None:
             state.usage_completion_tokens = int(usage["completion_tokens"])
         if usage.get("prompt_tokens") is not None:
             state.usage_prompt_tokens = int(usage["prompt_tokens"])
+        details = usage.get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            state.usage_cached_tokens = int(details["cached_tokens"])
 
 
 async def send_request(
@@ -138,6 +145,7 @@ async def send_request(
         result = RequestResult(
             success=True,
             prompt_len=state.usage_prompt_tokens if state.usage_prompt_tokens is not None else prompt_len,
+            cached_len=state.usage_cached_tokens,
             output_len=output_len,
             expected_output_len=expected,
             start_time=start,
@@ -172,13 +180,18 @@ async def fetch_model_id(session: aiohttp.ClientSession, base_url: str, config: 
 
 def parse_generation_tokens_total(metrics_text: str) -> float | None:
     """Sum of every Prometheus sample named `*generation_tokens_total` (vLLM, backfill, ...)."""
+    return parse_counter_total(metrics_text, GENERATION_TOKENS_SUFFIX)
+
+
+def parse_counter_total(metrics_text: str, suffix: str) -> float | None:
+    """Sum of every Prometheus sample whose name ends with `suffix` (None: no such sample)."""
     total: float | None = None
     for line in metrics_text.splitlines():
         if not line or line.startswith("#"):
             continue
         name_labels, _, value = line.rpartition(" ")
         name = name_labels.split("{", 1)[0]
-        if name.endswith(GENERATION_TOKENS_SUFFIX):
+        if name.endswith(suffix):
             try:
                 total = (total or 0.0) + float(value)
             except ValueError:
@@ -186,15 +199,16 @@ def parse_generation_tokens_total(metrics_text: str) -> float | None:
     return total
 
 
-async def fetch_generation_tokens_total(session: aiohttp.ClientSession, base_url: str) -> float | None:
-    """The server's generation token counter from /metrics, or None if it has none."""
+async def fetch_counters(session: aiohttp.ClientSession, base_url: str) -> dict[str, float | None]:
+    """The server's counters in COUNTER_SUFFIXES from /metrics (None: it has no such counter)."""
+    text = ""
     try:
         async with session.get(base_url + "/metrics") as response:
-            if response.status != 200:
-                return None
-            return parse_generation_tokens_total(await response.text())
+            if response.status == 200:
+                text = await response.text()
     except aiohttp.ClientError:
-        return None
+        pass
+    return {suffix: parse_counter_total(text, suffix) for suffix in COUNTER_SUFFIXES}
 
 
 def schedule_arrivals(requests: list[WorkloadRequest], config: ServeBenchConfig) -> list[WorkloadRequest]:
@@ -228,7 +242,7 @@ async def benchmark_serve(requests: list[WorkloadRequest], config: ServeBenchCon
             warm = await send_request(session, url, probe, model, config)
             if not warm.success:
                 raise RuntimeError(f"the warm-up request failed: {warm.error}")
-        counter_before = await fetch_generation_tokens_total(session, base_url)
+        counters_before = await fetch_counters(session, base_url)
         progress = tqdm(total=len(scheduled), desc="bench serve", disable=not config.show_progress)
         tasks: list[asyncio.Task[RequestResult]] = [None] * len(scheduled)  # type: ignore[list-item]
         run_start = time.perf_counter()
@@ -241,13 +255,16 @@ async def benchmark_serve(requests: list[WorkloadRequest], config: ServeBenchCon
         results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - run_start
         progress.close()
-        counter_after = await fetch_generation_tokens_total(session, base_url)
+        counters_after = await fetch_counters(session, base_url)
     summary = summarize(results, duration, config.goodput_slo_ms or None, config.percentiles)
     summary["start_times"] = [r.start_time - run_start for r in results]  # s after the run began
     mismatched = summary["num_output_len_mismatch"]
     if mismatched:
         logger.warning("%d request(s) received a different number of tokens than asked", mismatched)
-    delta = None if counter_before is None or counter_after is None else counter_after - counter_before
+    deltas = {suffix: None if counters_before[suffix] is None or counters_after[suffix] is None
+              else counters_after[suffix] - counters_before[suffix]  # type: ignore[operator]
+              for suffix in COUNTER_SUFFIXES}
+    queries, hits = deltas[PREFIX_QUERIES_SUFFIX], deltas[PREFIX_HITS_SUFFIX]
     rate = config.request_rate
     header: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -259,7 +276,10 @@ async def benchmark_serve(requests: list[WorkloadRequest], config: ServeBenchCon
         "request_rate": "workload" if rate is None else ("inf" if math.isinf(rate) else rate),
         "burstiness": config.burstiness,
         "max_concurrency": None,
-        "server_generation_tokens_delta": delta,
+        "server_generation_tokens_delta": deltas[GENERATION_TOKENS_SUFFIX],
+        # The server's own prefix cache counters over the measured run (vLLM's names too), to
+        # check `prefix_cache_hit_rate` (from the responses' usage) against.
+        "server_prefix_cache_hit_rate": hits / queries if queries and hits is not None else None,
     }
     return {**header, **summary}
 

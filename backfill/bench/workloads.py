@@ -20,9 +20,9 @@ import numpy as np
 
 from backfill.bench.text_corpus import INSTRUCTIONS, QUESTIONS, SENTENCES
 
-WorkloadKind = Literal["mixed", "uniform", "long-prompt"]
+WorkloadKind = Literal["mixed", "uniform", "long-prompt", "shared-prefix", "multi-turn"]
 ArrivalKind = Literal["all-at-once", "poisson", "gamma"]
-WORKLOAD_KINDS: tuple[str, ...] = ("mixed", "uniform", "long-prompt")
+WORKLOAD_KINDS: tuple[str, ...] = ("mixed", "uniform", "long-prompt", "shared-prefix", "multi-turn")
 ARRIVAL_KINDS: tuple[str, ...] = ("all-at-once", "poisson", "gamma")
 
 
@@ -94,6 +94,19 @@ class WorkloadSpec:
     `long_prompt_arrival` s: what a long prompt does to the streams' inter-token latency.
     Arrivals: all at once (arrival_time 0), Poisson at `request_rate`, or gamma intervals with
     shape `burstiness` (< 1 burstier, > 1 smoother; 1 is Poisson), as `vllm bench serve`.
+
+    The prefix-caching kinds give prompts as token ids (exact lengths without a tokenizer),
+    drawn from `token_id_range` (ordinary tokens of the model's vocabulary: the default suits
+    vocabularies of 20k+ tokens, the default model's has 49,152). Output lengths draw from
+    `uniform_tokens`.
+    shared-prefix: every request is one system prompt of `system_prompt_tokens` tokens, then a
+    user turn of its own of `user_tokens` tokens.
+    multi-turn: conversations of `num_turns` turns (num_requests in all, the last conversation
+    possibly shorter) after an optional system prompt: turn k's prompt repeats turns 1..k-1
+    (each user turn followed by a stand-in answer as long as that turn's max_tokens) and adds a
+    new user turn. A conversation starts at its `arrival` time; its turn k arrives
+    `k * turn_interval` s later (pick an interval longer than a turn takes, as a chat user
+    reads before answering, or later turns overtake the earlier ones).
     """
 
     num_requests: int = 64
@@ -109,6 +122,11 @@ class WorkloadSpec:
     seed: int = 0
     long_prompt_words: int = 6000
     long_prompt_arrival: float = 2.0
+    system_prompt_tokens: int = 512
+    user_tokens: tuple[int, int] = (32, 64)
+    token_id_range: tuple[int, int] = (1000, 20000)
+    num_turns: int = 4
+    turn_interval: float = 10.0
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -117,7 +135,8 @@ class WorkloadSpec:
             raise ValueError(f"kind: must be one of {WORKLOAD_KINDS}, got {self.kind!r}")
         if not 0.0 <= self.short_share <= 1.0:
             raise ValueError(f"short_share: must be in [0, 1], got {self.short_share}")
-        for name in ("short_tokens", "long_tokens", "uniform_tokens", "prompt_words"):
+        for name in ("short_tokens", "long_tokens", "uniform_tokens", "prompt_words", "user_tokens",
+                     "token_id_range"):
             low, high = getattr(self, name)
             if not 1 <= low <= high:
                 raise ValueError(f"{name}: need 1 <= low <= high, got ({low}, {high})")
@@ -130,6 +149,11 @@ class WorkloadSpec:
         if self.kind == "long-prompt" and (self.num_requests < 2 or self.long_prompt_words < 1
                                            or not self.long_prompt_arrival >= 0):
             raise ValueError("long-prompt: needs num_requests >= 2, long_prompt_words >= 1, long_prompt_arrival >= 0")
+        if self.system_prompt_tokens < (self.kind == "shared-prefix"):
+            raise ValueError(f"system_prompt_tokens: must be >= {int(self.kind == 'shared-prefix')}, "
+                             f"got {self.system_prompt_tokens}")
+        if self.num_turns < 1 or not self.turn_interval >= 0:
+            raise ValueError(f"num_turns >= 1 and turn_interval >= 0 needed, got {self.num_turns}, {self.turn_interval}")
 
 
 def draw_arrival_times(
@@ -172,6 +196,8 @@ def make_prompt(num_words: int, rng: np.random.Generator) -> str:
 
 def generate_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
     """Draw `spec.num_requests` requests; the same spec always gives the same workload."""
+    if spec.kind in ("shared-prefix", "multi-turn"):
+        return _prefix_workload(spec)
     rng = np.random.default_rng(spec.seed)
     n = spec.num_requests - (spec.kind == "long-prompt")
     if spec.kind == "mixed":
@@ -196,6 +222,42 @@ def generate_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
         long_prompt = make_prompt(spec.long_prompt_words, rng)
         requests.append(WorkloadRequest(max_tokens=1, prompt=long_prompt, arrival_time=spec.long_prompt_arrival))
     return requests
+
+
+def _prefix_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
+    """The shared-prefix and multi-turn kinds (see WorkloadSpec)."""
+    rng = np.random.default_rng(spec.seed)
+    low, high = spec.token_id_range
+
+    def tokens(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(low, high + 1, size=n)]
+
+    def user_turn() -> list[int]:
+        return tokens(int(rng.integers(spec.user_tokens[0], spec.user_tokens[1] + 1)))
+
+    def output_len() -> int:
+        return int(rng.integers(spec.uniform_tokens[0], spec.uniform_tokens[1] + 1))
+
+    system = tokens(spec.system_prompt_tokens)
+    turns_per_conversation = 1 if spec.kind == "shared-prefix" else spec.num_turns
+    num_conversations = -(-spec.num_requests // turns_per_conversation)
+    if spec.arrival == "all-at-once":
+        starts = [0.0] * num_conversations
+    else:
+        burstiness = 1.0 if spec.arrival == "poisson" else spec.burstiness
+        starts = draw_arrival_times(num_conversations, spec.request_rate, burstiness, rng)
+    requests: list[WorkloadRequest] = []
+    for start in starts:
+        history = list(system)
+        for turn in range(turns_per_conversation):
+            if len(requests) == spec.num_requests:
+                break
+            max_tokens = output_len()
+            prompt = history + user_turn()
+            requests.append(WorkloadRequest(max_tokens=max_tokens, prompt_token_ids=prompt,
+                                            arrival_time=start + turn * spec.turn_interval))
+            history = prompt + tokens(max_tokens)  # the stand-in answer
+    return sorted(requests, key=lambda r: r.arrival_s)
 
 
 def save_workload(requests: list[WorkloadRequest], path: str | Path) -> None:

@@ -101,6 +101,10 @@ class StepStats:
     num_padding_tokens: int = 0  # idle slots computed anyway (static policy with padding)
     slot_request_ids: list[str | None] = field(default_factory=list)  # per slot, for timelines
     slot_states: list[str] = field(default_factory=list)  # per slot: "useful" | "idle" | "empty"
+    # Prefix cache, in prompt tokens of the requests first admitted this step: looked up, found
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
+    num_kv_blocks_cached_free: int = 0  # free blocks still holding a reusable prefix (not in _used)
 
     @property
     def kv_usage(self) -> float:

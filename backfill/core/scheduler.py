@@ -55,10 +55,13 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefill_budget = prefill_budget
         self.context_cost = context_cost
-        self.kv_cache_manager = KVCacheManager(num_kv_blocks, config.block_size)
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions_total = 0
+        # Prefix cache, in prompt tokens, counted once per request (at its first admission)
+        self.num_prefix_cache_queries_total = 0
+        self.num_prefix_cache_hits_total = 0
         self._requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self._arrival_index: dict[str, int] = {}  # breaks ties between equal arrival times
         self._num_arrivals = 0
@@ -195,10 +198,15 @@ class Scheduler:
             request = self._next_waiting()
             if request is None:
                 break
+            # Prefix cache: the request starts after its longest cached run of full blocks.
+            cached_block_ids = self.kv_cache_manager.find_cached_blocks(request)
+            request.num_computed_tokens = len(cached_block_ids) * self.kv_cache_manager.block_size
             num_new_tokens = prefill.chunk_len(request, budget)
-            if num_new_tokens == 0 or not self.kv_cache_manager.can_allocate(request, num_new_tokens):
+            if num_new_tokens == 0 or not self.kv_cache_manager.can_allocate(request, num_new_tokens,
+                                                                             cached_block_ids):
+                request.num_computed_tokens = 0  # a waiting request holds no blocks
                 break
-            self._admit(request)
+            self._admit(request, cached_block_ids)
             scheduled.append(self._schedule_request(request, num_new_tokens, now))
             prefill.spend(request, num_new_tokens)
             budget -= num_new_tokens
@@ -276,7 +284,12 @@ class Scheduler:
             self._batch_request_ids.add(request.request_id)
             self._assign_slot(request.request_id)
 
-    def _admit(self, request: Request) -> None:
+    def _admit(self, request: Request, cached_block_ids: list[int]) -> None:
+        self.kv_cache_manager.take_cached_blocks(request, cached_block_ids)
+        if request.first_scheduled_time is None:
+            request.num_cached_tokens = request.num_computed_tokens
+            self.num_prefix_cache_queries_total += request.num_prompt_tokens
+            self.num_prefix_cache_hits_total += request.num_cached_tokens
         self.waiting.remove(request)
         _count(self._num_waiting_by_group, request.group_id, -1)
         request.status = RequestStatus.RUNNING
@@ -348,6 +361,7 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted (or otherwise finished) after this output was scheduled
             request.num_computed_tokens += scheduled.num_tokens
+            self.kv_cache_manager.cache_computed_blocks(request)  # the step wrote these blocks' K/V
             if not scheduled.sample:
                 continue
             request.append_output_token(sampled_token_ids[scheduled.request_id], now)

@@ -75,11 +75,14 @@ class RequestStream:
         self._queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
         self.finished = False  # True once nothing more will be queued
         self._exhausted = False
+        self.num_cached_tokens = 0  # of its prompt, from the prefix cache (for usage)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         if self.finished:
             return
         self.finished = isinstance(item, BaseException) or item.finished
+        if not isinstance(item, BaseException):
+            self.num_cached_tokens = max(self.num_cached_tokens, item.num_cached_tokens)
         self._queue.put_nowait(item)
 
     def end(self) -> None:

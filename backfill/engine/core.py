@@ -40,6 +40,7 @@ class EngineCore:
             num_kv_blocks=self.runner.num_kv_blocks,
         )
         self._num_steps = 0
+        self._prefix_cache_seen = (0, 0)  # the scheduler's (queries, hits) totals at the last step
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a sequence the front end validated (ids in the vocabulary, lengths that fit)."""
@@ -86,12 +87,16 @@ class EngineCore:
             num_kv_blocks_total=kv.num_blocks,
             num_preemptions_total=self.scheduler.num_preemptions_total,
             num_steps=self._num_steps,
+            num_kv_blocks_cached_free=kv.num_cached_free_blocks,
         )
 
     def _stats(self, start: float, scheduler_output: SchedulerOutput,
                slot_states: list[tuple[str | None, str]]) -> StepStats:
         num_decode = sum(1 for item in scheduler_output.scheduled if item.num_tokens == 1)
         kv = self.scheduler.kv_cache_manager
+        queries, hits = self.scheduler.num_prefix_cache_queries_total, self.scheduler.num_prefix_cache_hits_total
+        seen_queries, seen_hits = self._prefix_cache_seen
+        self._prefix_cache_seen = (queries, hits)
         return StepStats(
             step=self._num_steps,
             start_time=start,
@@ -110,6 +115,9 @@ class EngineCore:
             num_padding_tokens=len(scheduler_output.padding_seq_lens),
             slot_request_ids=[request_id for request_id, _ in slot_states],
             slot_states=[state for _, state in slot_states],
+            num_prefix_cache_queries=queries - seen_queries,
+            num_prefix_cache_hits=hits - seen_hits,
+            num_kv_blocks_cached_free=kv.num_cached_free_blocks,
         )
 
 
@@ -131,6 +139,7 @@ def _outputs(changed: list[Request], runner_output: ModelRunnerOutput, now: floa
             new_logprobs=[logprobs] if logprobs is not None else None,
             finish_reason=reason.value if reason is not None else None,
             stop_token_id=request.stop_reason if isinstance(request.stop_reason, int) else None,
+            num_cached_tokens=request.num_cached_tokens if request.num_output_tokens == 1 else None,
         ))
     return outputs
 

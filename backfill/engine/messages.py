@@ -41,6 +41,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_token_id: int | None = None
+    # On a sequence's first output: its prompt tokens whose K/V came from the prefix cache.
+    num_cached_tokens: int | None = None
 
 
 class CoreLoad(msgspec.Struct, array_like=True):
@@ -52,6 +54,7 @@ class CoreLoad(msgspec.Struct, array_like=True):
     num_kv_blocks_total: int = 0
     num_preemptions_total: int = 0
     num_steps: int = 0
+    num_kv_blocks_cached_free: int = 0  # free blocks still holding a reusable prefix (not in _used)
 
     @property
     def kv_usage(self) -> float:

@@ -34,6 +34,7 @@ class _Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
 
@@ -142,6 +143,8 @@ class OutputProcessor:
         seq.last_token_time = output.token_time
         seq.first_scheduled_time = output.first_scheduled_time
         seq.num_preemptions = output.num_preemptions
+        if output.num_cached_tokens is not None:
+            seq.num_cached_tokens = output.num_cached_tokens
         seq.token_ids.extend(output.new_token_ids)
         if seq.logprobs is not None and output.new_logprobs:
             seq.logprobs.extend(output.new_logprobs)
@@ -187,6 +190,7 @@ class OutputProcessor:
             outputs=completions,
             finished=group.finished,
             metrics=group.metrics(),
+            num_cached_tokens=max(seq.num_cached_tokens for seq in group.sequences),
         )
 
     def _forget(self, group: _Group) -> list[str]:

@@ -18,6 +18,9 @@ class FakeServerState:
     fail_every: int = 0  # every n-th completion answers 500 (0: never)
     short_by: int = 0  # send this many tokens fewer than asked (to test the length check)
     generation_tokens_total: int = 0
+    # a fake prefix cache: the first half of every prompt (rounded down) is "cached"
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
     payloads: list[dict[str, Any]] = field(default_factory=list)
     max_in_flight: int = 0
     in_flight: int = 0
@@ -33,6 +36,8 @@ def make_app(state: FakeServerState) -> web.Application:
             "# TYPE fake:generation_tokens_total counter\n"
             f'fake:generation_tokens_total{{model_name="fake-model"}} {float(state.generation_tokens_total)}\n'
             f"fake:generation_tokens_created 1.7e9\n"
+            f'fake:prefix_cache_queries_total{{model_name="fake-model"}} {float(state.prefix_cache_queries_total)}\n'
+            f'fake:prefix_cache_hits_total{{model_name="fake-model"}} {float(state.prefix_cache_hits_total)}\n'
         )
         return web.Response(text=text, content_type="text/plain")
 
@@ -44,6 +49,9 @@ def make_app(state: FakeServerState) -> web.Application:
         n = max(int(payload["max_tokens"]) - state.short_by, 1)
         prompt = payload["prompt"]
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        cached_tokens = prompt_tokens // 2
+        state.prefix_cache_queries_total += prompt_tokens
+        state.prefix_cache_hits_total += cached_tokens
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         state.in_flight += 1
@@ -59,7 +67,8 @@ def make_app(state: FakeServerState) -> web.Application:
             await response.write(f"data: {json.dumps(final)}\n\n".encode())
             if state.send_usage and payload.get("stream_options", {}).get("include_usage"):
                 usage = {"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                                                   "total_tokens": prompt_tokens + n}}
+                                                   "total_tokens": prompt_tokens + n,
+                                                   "prompt_tokens_details": {"cached_tokens": cached_tokens}}}
                 await response.write(f"data: {json.dumps(usage)}\n\n".encode())
             await response.write(b"data: [DONE]\n\n")
         finally:

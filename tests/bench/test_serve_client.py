@@ -28,6 +28,11 @@ def test_all_at_once_counts_tokens_and_matches_server_counter() -> None:
     assert result["completed"] == 12 and result["failed"] == 0
     assert result["total_output_tokens"] == expected_total
     assert result["server_generation_tokens_delta"] == expected_total  # warm-up excluded
+    # Prefix cache: the hit rate from the responses' usage is the one the server counted.
+    assert result["total_cached_input_tokens"] == sum(n // 2 for n in result["input_lens"])
+    assert result["prefix_cache_hit_rate"] == pytest.approx(
+        result["total_cached_input_tokens"] / result["total_input_tokens"])
+    assert result["server_prefix_cache_hit_rate"] == pytest.approx(result["prefix_cache_hit_rate"])
     assert result["num_output_len_mismatch"] == 0
     assert result["output_lens"] == [r.max_tokens for r in requests]  # in workload order
     assert result["model_id"] == "fake-model"

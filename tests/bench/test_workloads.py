@@ -138,3 +138,35 @@ def test_long_prompt_workload_is_streams_then_one_long_prompt() -> None:
     assert generate_workload(spec) == requests  # seeded
     with pytest.raises(ValueError, match="long-prompt"):
         WorkloadSpec(num_requests=1, kind="long-prompt")
+
+
+def test_shared_prefix_workload_shares_an_exact_system_prompt() -> None:
+    spec = WorkloadSpec(num_requests=64, kind="shared-prefix", system_prompt_tokens=512, user_tokens=(32, 64),
+                        uniform_tokens=(32, 32))
+    requests = generate_workload(spec)
+    assert len(requests) == 64 and all(r.max_tokens == 32 and r.arrival_s == 0.0 for r in requests)
+    system = requests[0].prompt_token_ids[:512]  # type: ignore[index]
+    for request in requests:
+        ids = request.prompt_token_ids
+        assert ids is not None and ids[:512] == system and 512 + 32 <= len(ids) <= 512 + 64
+        assert all(1000 <= t <= 20000 for t in ids)
+    assert len({tuple(r.prompt_token_ids[512:]) for r in requests}) == 64  # type: ignore[index]
+    assert generate_workload(spec) == requests
+
+
+def test_multi_turn_workload_repeats_earlier_turns_as_prefix() -> None:
+    spec = WorkloadSpec(num_requests=10, kind="multi-turn", num_turns=4, turn_interval=5.0,
+                        system_prompt_tokens=20, user_tokens=(8, 8), uniform_tokens=(4, 4))
+    requests = generate_workload(spec)
+    assert len(requests) == 10 and [r.arrival_s for r in requests] == [0.0] * 3 + [5.0] * 3 + [10.0] * 2 + [15.0] * 2
+    by_conversation: dict[tuple[int, ...], list] = {}  # type: ignore[type-arg]
+    for request in requests:
+        by_conversation.setdefault(tuple(request.prompt_token_ids[:28]), []).append(request)  # type: ignore[index]
+    assert sorted(len(turns) for turns in by_conversation.values()) == [2, 4, 4]
+    for turns in by_conversation.values():
+        for k, (earlier, later) in enumerate(zip(turns, turns[1:])):
+            # each turn: the previous prompt + a 4-token stand-in answer + an 8-token user turn
+            assert later.prompt_token_ids[: len(earlier.prompt_token_ids)] == earlier.prompt_token_ids
+            assert len(later.prompt_token_ids) == len(earlier.prompt_token_ids) + 4 + 8
+    with pytest.raises(ValueError, match="system_prompt_tokens"):
+        WorkloadSpec(kind="shared-prefix", system_prompt_tokens=0)

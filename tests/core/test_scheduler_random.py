@@ -25,7 +25,11 @@ from tests.core.core_factories import (
 )
 
 
-def random_workload(rng: random.Random, policy: str) -> tuple[Scheduler, list[tuple[int, Request]]]:
+def random_workload(
+    rng: random.Random, policy: str, prefix_caching: bool = False
+) -> tuple[Scheduler, list[tuple[int, Request]]]:
+    """With `prefix_caching`, prompts start from one of a few first tokens, so many share a
+    prefix (of any length: make_request's prompts count up from their first token)."""
     block_size = rng.choice([1, 2, 4, 8])
     max_num_seqs = rng.randint(1, 6)
     requests: list[tuple[int, Request]] = []  # (arrival step, request)
@@ -42,7 +46,7 @@ def random_workload(rng: random.Random, policy: str) -> tuple[Scheduler, list[tu
                 arrival_time=float(arrival_step) + i * 1e-3,
                 priority=priority,
                 eos=rng.random() < 0.5,
-                first_token=rng.randint(1, 900),
+                first_token=rng.choice([1, 1, 7, rng.randint(1, 900)]) if prefix_caching else rng.randint(1, 900),
                 group_id=f"g{i}",
             )
             requests.append((arrival_step, request))
@@ -54,6 +58,7 @@ def random_workload(rng: random.Random, policy: str) -> tuple[Scheduler, list[tu
         block_size=block_size,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=rng.randint(1, 48),
+        enable_prefix_caching=prefix_caching,
     )
     return scheduler, requests
 
@@ -75,15 +80,21 @@ def check_admission_rule(scheduler: Scheduler, budget_left: int, preempted: bool
     if not candidates or preempted or budget_left == 0:
         return
     head = candidates[0]
+    kv = scheduler.kv_cache_manager
+    cached_block_ids = kv.find_cached_blocks(head)
+    head.num_computed_tokens = len(cached_block_ids) * kv.block_size  # as admission would
     num_new_tokens = min(head.num_tokens - head.num_computed_tokens, budget_left)
-    assert not scheduler.kv_cache_manager.can_allocate(head, num_new_tokens), f"{head.request_id} left waiting"
+    admissible = kv.can_allocate(head, num_new_tokens, cached_block_ids)
+    head.num_computed_tokens = 0
+    assert not admissible, f"{head.request_id} left waiting"
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("policy", ["continuous", "static"])
 @pytest.mark.parametrize("seed", range(40))
-def test_random_workloads_run_to_completion(policy: str, seed: int) -> None:
+def test_random_workloads_run_to_completion(policy: str, seed: int, prefix_caching: bool) -> None:
     rng = random.Random(seed * 2 + (policy == "static"))
-    scheduler, arrivals = random_workload(rng, policy)
+    scheduler, arrivals = random_workload(rng, policy, prefix_caching)
     runner = FakeRunner(scheduler.kv_cache_manager.num_blocks, scheduler.config.block_size)
     pending = list(arrivals)
     aborted: set[str] = set()

@@ -70,3 +70,18 @@ def test_one_request_through_three_steps() -> None:
     # The preemption counter follows the engine's cumulative count without double counting.
     samples = _samples(metrics, CoreLoad(num_preemptions_total=3))
     assert samples["backfill:num_preemptions_total"] == 3
+
+
+def test_prefix_cache_counters_and_cached_free_gauge() -> None:
+    metrics = ServerMetrics("m", 4)
+    samples = _samples(metrics, CoreLoad())
+    assert samples["backfill:prefix_cache_queries_total"] == 0 == samples["backfill:prefix_cache_hits_total"]
+    stats = _stats(useful=1, idle=0)
+    stats.num_prefix_cache_queries, stats.num_prefix_cache_hits = 30, 16
+    metrics.on_step([], stats)
+    stats.num_prefix_cache_queries, stats.num_prefix_cache_hits = 10, 0
+    metrics.on_step([], stats)
+    samples = _samples(metrics, CoreLoad(num_kv_blocks_used=2, num_kv_blocks_total=10, num_kv_blocks_cached_free=3))
+    assert samples["backfill:prefix_cache_queries_total"] == 40 and samples["backfill:prefix_cache_hits_total"] == 16
+    # Cached free blocks are not "used": the usage gauge excludes them, their own gauge shows them.
+    assert samples["backfill:kv_cache_usage_perc"] == 0.2 and samples["backfill:kv_cache_cached_free_perc"] == 0.3

@@ -46,6 +46,19 @@ def test_completion_usage_matches_returned_tokens(client: openai.OpenAI) -> None
     assert "".join(choice.logprobs.tokens) == choice.text
 
 
+def test_completion_reports_cached_prompt_tokens(client: openai.OpenAI) -> None:
+    system = list(range(30000, 30037))  # 37 tokens no other test sends: two full blocks of 16 and 5
+    first = client.completions.create(model=MODEL, prompt=system + [504, 3458], max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # Another user turn after the same system prompt: its two full blocks come from the cache
+    # (the third differs), in the whole response and in the streaming usage chunk alike.
+    second = client.completions.create(model=MODEL, prompt=system + [282, 4649, 314], max_tokens=2, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == 32
+    chunks = list(client.completions.create(model=MODEL, prompt=[system + [7, 8, 9], system + [10]], max_tokens=2,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64  # a batch: the sum over its prompts
+
+
 def test_completion_stream_equals_non_stream(client: openai.OpenAI, greedy_text: str) -> None:
     chunks = list(client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
@@ -118,7 +131,13 @@ def test_chat_answers_and_streams_the_same(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["stop"]
-    assert chunks[-1].usage is not None and chunks[-1].usage.model_dump() == result.usage.model_dump()
+    streamed = chunks[-1].usage
+    assert streamed is not None
+    assert (streamed.prompt_tokens, streamed.completion_tokens) == (result.usage.prompt_tokens,
+                                                                     result.usage.completion_tokens)
+    # The same prompt again: every full block but the one with its last token came from the
+    # prefix cache (block size 16), as OpenAI reports it.
+    assert streamed.prompt_tokens_details.cached_tokens == (result.usage.prompt_tokens - 1) // 16 * 16
 
 
 def test_chat_n2_streams_interleaved_choices(client: openai.OpenAI) -> None:

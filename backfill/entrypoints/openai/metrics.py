@@ -54,7 +54,14 @@ class ServerMetrics:
         self.num_requests_running = gauge("num_requests_running", "Sequences in the running batch.")
         self.num_requests_waiting = gauge(
             "num_requests_waiting", "Sequences waiting to run (engine queue plus not yet picked up).")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.")
+        self.kv_cache_usage_perc = gauge(
+            "kv_cache_usage_perc", "KV-cache usage (blocks held by requests); 1 means 100 percent.")
+        self.kv_cache_cached_free_perc = gauge(
+            "kv_cache_cached_free_perc",
+            "KV blocks held by no request but still holding a reusable prefix (evicted on demand); 1 means 100 percent.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (each sequence at its admission).")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.batch_slots_used = gauge("batch_slots_used", "Batch slots whose sequence advanced in the last step.")
         self.batch_slots_idle = gauge(
             "batch_slots_idle", "Batch slots held in the last step by a sequence that did no useful work.")
@@ -75,6 +82,7 @@ class ServerMetrics:
             "request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
         # Export every series from the start (at 0), so rates and alerts work before traffic.
         for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
+                       self.kv_cache_cached_free_perc, self.prefix_cache_queries, self.prefix_cache_hits,
                        self.batch_slots_used, self.batch_slots_idle, self.batch_slots_empty,
                        self.num_preemptions, self.prompt_tokens, self.generation_tokens,
                        self.request_abort, self.engine_steps, self.slot_steps_used, self.slot_steps_idle,
@@ -98,6 +106,8 @@ class ServerMetrics:
             self.batch_slots_empty.labels(**labels).set(empty)
             self.slot_steps_used.labels(**labels).inc(stats.num_slots_useful)
             self.slot_steps_idle.labels(**labels).inc(stats.num_slots_idle)
+            self.prefix_cache_queries.labels(**labels).inc(stats.num_prefix_cache_queries)
+            self.prefix_cache_hits.labels(**labels).inc(stats.num_prefix_cache_hits)
         for output in outputs:
             self._observe_output(output, labels)
 
@@ -136,6 +146,8 @@ class ServerMetrics:
         self.num_requests_running.labels(**labels).set(stats.num_running)
         self.num_requests_waiting.labels(**labels).set(num_queued)
         self.kv_cache_usage_perc.labels(**labels).set(stats.kv_usage)
+        self.kv_cache_cached_free_perc.labels(**labels).set(
+            stats.num_kv_blocks_cached_free / max(stats.num_kv_blocks_total, 1))
         delta = stats.num_preemptions_total - self._num_preemptions_seen
         if delta > 0:
             self.num_preemptions.labels(**labels).inc(delta)

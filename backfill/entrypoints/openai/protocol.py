@@ -278,10 +278,15 @@ def loc_to_param(loc: Any) -> str | None:
 # ---- responses -----------------------------------------------------------------------------
 
 
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+
+
 class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(ResponseModel):

@@ -26,7 +26,7 @@ from backfill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineEr
 from backfill.entrypoints.openai.protocol import (
     APIError, AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, SamplingFields, TokenLogprob, TopLogprob, UsageInfo,
+    CompletionRequest, CompletionResponse, PromptTokensDetails, SamplingFields, TokenLogprob, TopLogprob, UsageInfo,
     bad_request)
 from backfill.entrypoints.openai.token_text import TokenText
 from backfill.outputs import CompletionOutput, RequestOutput
@@ -294,7 +294,7 @@ class OpenAIServing:
             choices.append(CompletionChoice(index=i * params.n + k, text=prefix + completion.text, logprobs=lp,
                                             finish_reason=completion.finish_reason))
             num_completion += len(completion.token_ids)
-        usage = self._usage(prompts, num_completion)
+        usage = self._usage(prompts, num_completion, streams)
         return CompletionResponse(id=request_id, created=created, model=self.served_model_name,
                                   choices=choices, usage=usage)
 
@@ -330,7 +330,7 @@ class OpenAIServing:
 
         def usage_chunk() -> CompletionResponse:
             return CompletionResponse(id=request_id, created=created, model=self.served_model_name, choices=[],
-                                      usage=self._usage(prompts, sum(num_tokens.values())))
+                                      usage=self._usage(prompts, sum(num_tokens.values()), streams))
 
         return self._sse_tail(events(), streams, usage_chunk if include_usage else None)
 
@@ -370,7 +370,7 @@ class OpenAIServing:
             lp = self._chat_logprobs(logprobs[(0, k)], params.logprobs) if params.logprobs is not None else None
             choices.append(ChatChoice(index=k, message=AssistantMessage(content=completion.text), logprobs=lp,
                                       finish_reason=completion.finish_reason))
-        usage = self._usage(prompts, sum(len(c.token_ids) for c in finals.values()))
+        usage = self._usage(prompts, sum(len(c.token_ids) for c in finals.values()), streams)
         return ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name,
                                       choices=choices, usage=usage)
 
@@ -409,7 +409,7 @@ class OpenAIServing:
 
         def usage_chunk() -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name, choices=[],
-                                       usage=self._usage(prompts, sum(num_tokens.values())))
+                                       usage=self._usage(prompts, sum(num_tokens.values()), [stream]))
 
         return self._sse_tail(events(), [stream], usage_chunk if include_usage else None)
 
@@ -454,7 +454,10 @@ class OpenAIServing:
         return finals, logprobs
 
     @staticmethod
-    def _usage(prompts: list[_Prompt], num_completion_tokens: int) -> UsageInfo:
+    def _usage(prompts: list[_Prompt], num_completion_tokens: int, streams: list[RequestStream]) -> UsageInfo:
+        """OpenAI's usage; `prompt_tokens_details.cached_tokens`: the prompts' tokens found in the
+        prefix cache (one stream per prompt)."""
         num_prompt = sum(len(p.token_ids) for p in prompts)
+        details = PromptTokensDetails(cached_tokens=sum(stream.num_cached_tokens for stream in streams))
         return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion_tokens,
-                         total_tokens=num_prompt + num_completion_tokens)
+                         total_tokens=num_prompt + num_completion_tokens, prompt_tokens_details=details)
