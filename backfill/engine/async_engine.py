@@ -29,6 +29,7 @@ from backfill.engine.output_processor import OutputProcessor
 from backfill.engine.processor import InputProcessor
 from backfill.tokenizer import Tokenizer
 from backfill.outputs import RequestOutput
+from backfill.request import FinishReason
 from backfill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,10 @@ class EngineStoppedError(EngineError):
 
 class EngineDeadError(EngineError):
     """The engine core died; no request can be served any more (HTTP 500)."""
+
+
+class RequestTimeoutError(EngineError):
+    """The request's deadline passed before it finished; the core has freed it (HTTP 408)."""
 
 
 class RequestFailedError(EngineError):
@@ -214,11 +219,14 @@ class AsyncEngine:
                 raise QueueFullError(f"the waiting queue is full ({self.max_queue} sequences wait for a slot)")
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          arrival_time: float | None = None, group_id: str | None = None) -> RequestStream:
+                          arrival_time: float | None = None, group_id: str | None = None, priority: int = 0,
+                          deadline: float | None = None) -> RequestStream:
         """Validate a request and send it to the core; its outputs arrive on the stream.
 
         Requests sharing a `group_id` (the prompts of one HTTP request) share batch slots with
-        other groups fairly as one client (see `Scheduler`).
+        other groups fairly as one client (see `Scheduler`). `priority` and `deadline`: see
+        `InputProcessor.process`; a request past its deadline ends its stream with
+        `RequestTimeoutError`.
 
         Raises `ValueError("<field>: ...")` for input the engine can't serve, `QueueFullError`,
         `EngineStoppedError` or `EngineDeadError`.
@@ -227,7 +235,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         request = self._processor.process(request_id, prompt, params, arrival_time or time.monotonic(),
-                                          group_id=group_id)
+                                          group_id=group_id, priority=priority, deadline=deadline)
         self._output_processor.add(request)
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
@@ -273,6 +281,13 @@ class AsyncEngine:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:  # aborted since the step began
+                continue
+            if any(c.finish_reason == FinishReason.TIMEOUT.value for c in output.outputs):
+                stream.put(RequestTimeoutError("the request did not finish before its deadline (request_timeout)"))
+                del self._streams[output.request_id]
+                core_ids = self._output_processor.abort(output.request_id)  # its other sequences, if live
+                if core_ids:
+                    self.core.send(CoreInputs(abort=core_ids))
                 continue
             stream.put(output)
             if output.finished:
