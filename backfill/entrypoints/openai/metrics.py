@@ -68,6 +68,7 @@ class ServerMetrics:
         self.request_abort = counter("request_abort", "Requests aborted (client gone or shutdown).")
         self.request_timeout = counter("request_timeout", "Sequences ended by their deadline (HTTP 408).")
         self.engine_steps = counter("engine_steps", "Engine steps run.")
+        self.step_duration = histogram("engine_step_duration_seconds", "Wall time of one engine step.", ITL_BUCKETS)
         self.slot_steps_used = counter("batch_slot_steps_used", "Sum over steps of batch_slots_used.")
         self.slot_steps_idle = counter("batch_slot_steps_idle", "Sum over steps of batch_slots_idle.")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
@@ -82,7 +83,7 @@ class ServerMetrics:
         for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
                        self.batch_slots_used, self.batch_slots_idle, self.batch_slots_empty,
                        self.num_preemptions, self.prompt_tokens, self.generation_tokens,
-                       self.request_abort, self.engine_steps, self.slot_steps_used, self.slot_steps_idle,
+                       self.request_abort, self.engine_steps, self.step_duration, self.slot_steps_used, self.slot_steps_idle,
                        self.request_timeout, self.ttft, self.ttft_steps, self.itl, self.e2e, self.queue_time):
             metric.labels(**self._labels())
         for reason in ("stop", "length"):
@@ -97,6 +98,7 @@ class ServerMetrics:
         labels = self._labels()
         if stats is not None:
             self.engine_steps.labels(**labels).inc()
+            self.step_duration.labels(**labels).observe(stats.duration)
             self.batch_slots_used.labels(**labels).set(stats.num_slots_useful)
             self.batch_slots_idle.labels(**labels).set(stats.num_slots_idle)
             empty = max(stats.num_slots - stats.num_slots_useful - stats.num_slots_idle, 0)
