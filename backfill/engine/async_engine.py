@@ -69,8 +69,9 @@ class EngineObserver(Protocol):
 class RequestStream:
     """The outputs of one request, in order; ends after the output with `finished=True`.
 
-    Iterate it on the event loop. An engine failure or a forced shutdown ends it by raising
-    (`EngineDeadError` / `EngineStoppedError`); an abort ends it quietly. Closing it early
+    Iterate it on the event loop. An engine failure, a forced shutdown or the request's deadline
+    ends it by raising (`EngineDeadError` / `EngineStoppedError` / `RequestTimeoutError`); an
+    abort ends it quietly. Closing it early
     (`close()`) aborts the request.
     """
 
