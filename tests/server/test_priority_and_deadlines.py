@@ -170,3 +170,18 @@ def test_32_requests_with_a_one_second_timeout_end_by_their_deadline(busy_server
     assert wait_until(lambda: engine_idle(server), timeout=60)
     samples = server.metrics()
     assert samples["backfill:num_requests_running"] == 0 and samples["backfill:kv_cache_usage_perc"] == 0
+
+
+def test_chat_completions_take_priority_and_request_timeout(busy_server: ServerProcess,
+                                                            server: ServerProcess) -> None:
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 1500,
+            "ignore_eos": True, "request_timeout": 0.5}
+    response = httpx.post(busy_server.v1 + "/chat/completions", headers=HEADERS, json=body, timeout=120)
+    assert response.status_code == 408 and response.json()["error"]["code"] == "request_timeout"
+    with httpx.stream("POST", busy_server.v1 + "/chat/completions", headers=HEADERS, json={**body, "stream": True},
+                      timeout=120) as streamed:
+        events = [line.removeprefix("data: ") for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "request_timeout"
+    refused = httpx.post(server.v1 + "/chat/completions", headers=HEADERS, json={**body, "priority": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
+    assert wait_until(lambda: engine_idle(busy_server), timeout=60)
