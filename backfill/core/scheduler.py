@@ -219,7 +219,7 @@ class Scheduler:
         outranked: list[Request] = []  # preempted for a better priority
         while (self.by_priority or not preempted) and budget > 0:
             request = self._next_waiting()
-            if request is None or request in rebalanced or request in preempted or request in outranked:
+            if request is None or any(request is r for r in rebalanced + preempted + outranked):
                 break  # NOTE: a request preempted this step is not resumed in it
             if preempted and self._effective_priority(request) >= min(map(self._effective_priority, preempted)):
                 break  # the pool is short: only a strictly better request may take blocks
