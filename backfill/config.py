@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Collection
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 Policy = Literal["continuous", "static"]
 POLICIES: tuple[str, ...] = ("continuous", "static")
+# fcfs: arrival order (a request's priority must be 0); priority: lower `priority` first, a
+# better-priority request preempts a worse running one, and waiting requests age (see Scheduler).
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # Weight storage (see backfill/model/quant.py): "auto" reads a GGUF's matrices as stored and a
 # Hugging Face folder's as fp32, "none" expands everything to `dtype` (the reference path),
@@ -62,6 +66,11 @@ class EngineConfig:
     # Full KV blocks are kept, keyed by a hash of their whole prefix, and shared by later
     # requests that start with the same tokens (core/kv_cache_manager.py).
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    # scheduling_policy="priority": a waiting request's effective priority improves by one level
+    # every this many steps since its arrival, so a low priority waits a bounded number of steps.
+    priority_aging_steps: int = 100
+    request_timeout: float | None = None  # seconds from arrival (queueing included); None: no limit
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, exclude: Collection[str] = ()) -> None:
@@ -115,6 +124,14 @@ class EngineConfig:
         add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
             help="reuse the KV blocks of a prompt prefix computed before (shared system prompts, "
                  "multi-turn chats)")
+        add("--scheduling-policy", choices=SCHEDULING_POLICIES,
+            help="fcfs: arrival order, requests must not set priority; priority: lower priority first, "
+                 "preempting worse running requests, with aging (--priority-aging-steps)")
+        add("--priority-aging-steps", type=int,
+            help="scheduling policy priority: a waiting request gains one priority level every this many steps")
+        add("--request-timeout", type=float,
+            help="seconds a request may take from arrival (queueing included) before it is aborted with "
+                 "a 408 (default: no limit; a request's own request_timeout overrides it)")
         assert set(added) == set(defaults) - set(exclude), "every field has exactly one flag"
         parser.set_defaults(**{_CLI_FIELDS: tuple(added)})
 
@@ -154,5 +171,13 @@ class EngineConfig:
             raise ValueError(f"prefill_budget must be a non-negative integer or None, got {self.prefill_budget!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if not isinstance(self.priority_aging_steps, int) or self.priority_aging_steps < 1:
+            raise ValueError(f"priority_aging_steps must be a positive integer, got {self.priority_aging_steps!r}")
+        if self.request_timeout is not None and not (
+            isinstance(self.request_timeout, (int, float)) and 0 < self.request_timeout < math.inf
+        ):
+            raise ValueError(f"request_timeout must be a positive number of seconds, got {self.request_timeout!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

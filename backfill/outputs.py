@@ -17,6 +17,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    first_token_steps: int | None = None  # engine steps from arrival at the core to the first token
 
 
 @dataclass

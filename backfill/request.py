@@ -20,6 +20,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context length reached
     ABORT = "abort"  # cancelled by the client or the engine
+    TIMEOUT = "timeout"  # its deadline passed first (the server answers with an error, not a choice)
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Request:
     # scheduler shares batch slots fairly between groups. Empty: a group of its own.
     group_id: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # time.monotonic() after which the scheduler ends it (TIMEOUT)
+    arrival_step: int = 0  # the scheduler's step count when it was added (set by the scheduler)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

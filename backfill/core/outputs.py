@@ -51,6 +51,8 @@ class SchedulerOutput:
     fair_share_preempted_ids: list[str] = field(default_factory=list)
     # Requests that left the engine since the last step: the runner drops their cached state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # The part of finished_request_ids whose deadline passed (finished TIMEOUT by this schedule()).
+    timed_out_request_ids: list[str] = field(default_factory=list)
     num_batched_tokens: int = 0
     # Static policy with padding: one row per batch slot still held by a finished request. Row
     # i runs a dummy token at position padding_seq_lens[i] - 1 over a context of that many

@@ -37,6 +37,21 @@ class Scheduler:
     `_rebalance`). A newcomer's first token then comes within ceil((R + P) / (B - S + 1)) steps
     (README, "Fairness"; tests/core/test_scheduler_fair_share.py).
 
+    Priorities (`scheduling_policy="priority"`, continuous): a waiting request whose effective
+    priority is strictly better than the worst running one's preempts it when it finds no slot or
+    no KV blocks; never the reverse. The effective priority is `priority` minus one level per
+    `priority_aging_steps` steps since arrival (for waiting and running requests alike): the
+    order is by `priority + arrival_step / priority_aging_steps`, so a request of priority p is
+    overtaken only by requests that arrived before it or within `(p - p_best) *
+    priority_aging_steps` steps after it: its wait is bounded by their work, whatever arrives
+    later (tests/core/test_scheduler_priority.py). A preempted request goes
+    back to its place in the queue (effective priority, then arrival). Under "fcfs" requests are
+    still ordered by `priority` (the server sends 0 for all), without aging or such preemption.
+
+    Deadlines: a request with a `deadline` still unfinished when a `schedule()` starts at or
+    after it is finished with `FinishReason.TIMEOUT` before anything is scheduled (reported in
+    `SchedulerOutput.timed_out_request_ids`): a waiting one never reaches the model.
+
     A step is `schedule()`, the model run, then `update_from_output()`; `finish_requests()`
     (abort, stop string) may come between steps.
     """
@@ -51,6 +66,9 @@ class Scheduler:
         from the model; 0 counts every prompt token as 1 unit)."""
         self.config = config
         self.policy = config.policy
+        self.by_priority = config.scheduling_policy == "priority" and config.policy == "continuous"
+        self.priority_aging_steps = config.priority_aging_steps
+        self.num_steps = 0  # schedule() calls so far
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefill_budget = prefill_budget
@@ -66,6 +84,7 @@ class Scheduler:
         self._arrival_index: dict[str, int] = {}  # breaks ties between equal arrival times
         self._num_arrivals = 0
         self._finished_request_ids: list[str] = []  # finished or aborted since the last schedule()
+        self._deadlines: dict[str, float] = {}  # request_id -> deadline, for those that have one
         self._slots: list[str | None] = [None] * self.max_num_seqs
         self._slot_by_request_id: dict[str, int] = {}
         # group_id -> its sequences in `running` / in `waiting` (only groups with some)
@@ -126,12 +145,10 @@ class Scheduler:
         self._requests[request.request_id] = request
         self._arrival_index[request.request_id] = self._num_arrivals
         self._num_arrivals += 1
-        # Insert after every request that sorts before it (usually: append at the tail).
-        key = self._priority_key(request)
-        index = len(self.waiting)
-        while index > 0 and self._priority_key(self.waiting[index - 1]) > key:
-            index -= 1
-        self.waiting.insert(index, request)
+        request.arrival_step = self.num_steps
+        if request.deadline is not None:
+            self._deadlines[request.request_id] = request.deadline
+        self._insert_waiting(request)
         _count(self._num_waiting_by_group, request.group_id, +1)
 
     # ------------------------------------------------------------------ schedule
@@ -147,6 +164,10 @@ class Scheduler:
         # tokens behind and is computed in chunks of at most the remaining budget. A request
         # samples only in the step that brings it fully up to date.
         now = time.monotonic() if now is None else now
+        self.num_steps += 1
+        timed_out = self._expire(now)
+        if self.by_priority:  # aging moves effective priorities: restore the queue's order
+            self.waiting = deque(sorted(self.waiting, key=self._priority_key))
         if self.policy == "static" and not self._batch_request_ids:
             self._start_batch()
         budget = self.max_num_batched_tokens
@@ -194,18 +215,39 @@ class Scheduler:
 
         # 2. Waiting requests, in priority order (fair share within it), while budget, slots
         #    and blocks allow. None in a step that had to preempt for blocks: the pool is short.
-        while not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        #    By priority: a request that finds no slot or blocks preempts the worst running one
+        #    if that is strictly worse (taking back its work if scheduled), even after step 1
+        #    preempted. Terminates: every such preemption swaps a running request for a strictly
+        #    better one.
+        outranked: list[Request] = []  # preempted for a better priority
+        while (self.by_priority or not preempted) and budget > 0:
             request = self._next_waiting()
-            if request is None:
-                break
+            if request is None or any(request is r for r in rebalanced + preempted + outranked):
+                break  # NOTE: a request preempted this step is not resumed in it
+            if preempted and self._effective_priority(request) >= min(map(self._effective_priority, preempted)):
+                break  # the pool is short: only a strictly better request may take blocks
             # Prefix cache: the request starts after its longest cached run of full blocks.
             cached_block_ids = self.kv_cache_manager.find_cached_blocks(request)
             request.num_computed_tokens = len(cached_block_ids) * self.kv_cache_manager.block_size
             num_new_tokens = prefill.chunk_len(request, budget)
-            if num_new_tokens == 0 or not self.kv_cache_manager.can_allocate(request, num_new_tokens,
-                                                                             cached_block_ids):
+            if num_new_tokens == 0:
                 request.num_computed_tokens = 0  # a waiting request holds no blocks
                 break
+            if len(self.running) >= self.max_num_seqs or not self.kv_cache_manager.can_allocate(
+                    request, num_new_tokens, cached_block_ids):
+                request.num_computed_tokens = 0
+                victim = self._outranked_victim(request)
+                if victim is None:
+                    break
+                undone = next((item for item in scheduled if item.request_id == victim.request_id), None)
+                if undone is not None:
+                    assert undone.new_request is None  # admitted in an earlier step
+                    scheduled.remove(undone)
+                    budget += undone.num_tokens
+                    prefill.give_back(undone)
+                self._preempt(victim)
+                outranked.append(victim)
+                continue  # the victim's freed blocks may hold more of this prefix: look again
             self._admit(request, cached_block_ids)
             scheduled.append(self._schedule_request(request, num_new_tokens, now))
             prefill.spend(request, num_new_tokens)
@@ -226,12 +268,37 @@ class Scheduler:
         finished_request_ids, self._finished_request_ids = self._finished_request_ids, []
         return SchedulerOutput(
             scheduled=scheduled,
-            preempted_request_ids=[request.request_id for request in rebalanced + preempted],
+            preempted_request_ids=[request.request_id for request in rebalanced + preempted + outranked],
             fair_share_preempted_ids=[request.request_id for request in rebalanced],
             finished_request_ids=finished_request_ids,
+            timed_out_request_ids=timed_out,
             num_batched_tokens=self.max_num_batched_tokens - budget,
             padding_seq_lens=padding_seq_lens,
         )
+
+    def _expire(self, now: float) -> list[str]:
+        """Finish (TIMEOUT) every request whose deadline is at or before `now`; their ids."""
+        expired = [request_id for request_id, deadline in self._deadlines.items() if deadline <= now]
+        if expired:
+            self.finish_requests(expired, FinishReason.TIMEOUT, now)
+            logger.debug("deadline passed: %s", expired)
+        return expired
+
+    def _outranked_victim(self, request: Request) -> Request | None:
+        """By priority: the running request to preempt so that waiting `request` can run (the
+        worst one, if strictly worse than `request`), or None."""
+        if not self.by_priority or not self.running:
+            return None
+        victim = max(self.running, key=self._victim_key)
+        return victim if self._effective_priority(victim) > self._effective_priority(request) else None
+
+    def _insert_waiting(self, request: Request) -> None:
+        """Insert after every request that sorts before it (usually: append at the tail)."""
+        key = self._priority_key(request)
+        index = len(self.waiting)
+        while index > 0 and self._priority_key(self.waiting[index - 1]) > key:
+            index -= 1
+        self.waiting.insert(index, request)
 
     def _any_decoding(self) -> bool:
         """Whether a running request is one token behind: it samples this step unless held."""
@@ -253,7 +320,7 @@ class Scheduler:
         for request in self.waiting:
             if self._num_running(best) == 0 or len(seen) == len(self._num_waiting_by_group):
                 break
-            if request.group_id in seen or request.priority != head.priority:
+            if request.group_id in seen or self._effective_priority(request) != self._effective_priority(head):
                 continue
             seen.add(request.group_id)
             if self._num_running(request) < self._num_running(best):
@@ -273,7 +340,8 @@ class Scheduler:
         if request is None:
             return []
         victim = max(self.running, key=self._victim_key)
-        if victim.priority != request.priority or self._num_running(victim) < self._num_running(request) + 2:
+        if (self._effective_priority(victim) != self._effective_priority(request)
+                or self._num_running(victim) < self._num_running(request) + 2):
             return []
         self._preempt(victim)
         return [victim]
@@ -332,7 +400,10 @@ class Scheduler:
         self.num_preemptions_total += 1
         if self.policy == "continuous":
             self._release_slot(request.request_id)
-        self.waiting.appendleft(request)
+        if self.by_priority:  # back to its place: it keeps its priority and arrival order
+            self._insert_waiting(request)
+        else:
+            self.waiting.appendleft(request)
         _count(self._num_waiting_by_group, request.group_id, +1)
         logger.debug("preempted %s (%d tokens to recompute)", request.request_id, request.num_tokens)
 
@@ -404,6 +475,7 @@ class Scheduler:
         request.finish_time = now
         del self._requests[request.request_id]
         del self._arrival_index[request.request_id]
+        self._deadlines.pop(request.request_id, None)
         self._finished_request_ids.append(request.request_id)
         if self.policy == "continuous":
             self._release_slot(request.request_id)
@@ -420,14 +492,20 @@ class Scheduler:
 
     # --------------------------------------------------------------- helpers
 
+    def _effective_priority(self, request: Request) -> int:
+        """`priority`, improved by aging under the priority policy (lower runs first)."""
+        if not self.by_priority:
+            return request.priority
+        return request.priority - (self.num_steps - request.arrival_step) // self.priority_aging_steps
+
     def _priority_key(self, request: Request) -> tuple[int, float, int]:
         """Sort key of the waiting queue: lower runs first."""
-        return (request.priority, request.arrival_time, self._arrival_index[request.request_id])
+        return (self._effective_priority(request), request.arrival_time, self._arrival_index[request.request_id])
 
     def _victim_key(self, request: Request) -> tuple[int, int, float, int]:
         """The running request with the maximum is preempted first: the worst priority, then
         the group running the most sequences, then the most recent arrival."""
-        return (request.priority, self._num_running(request), request.arrival_time,
+        return (self._effective_priority(request), self._num_running(request), request.arrival_time,
                 self._arrival_index[request.request_id])
 
     def _num_running(self, request: Request) -> int:

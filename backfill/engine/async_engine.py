@@ -29,6 +29,7 @@ from backfill.engine.output_processor import OutputProcessor
 from backfill.engine.processor import InputProcessor
 from backfill.tokenizer import Tokenizer
 from backfill.outputs import RequestOutput
+from backfill.request import FinishReason
 from backfill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,10 @@ class EngineDeadError(EngineError):
     """The engine core died; no request can be served any more (HTTP 500)."""
 
 
+class RequestTimeoutError(EngineError):
+    """The request's deadline passed before it finished; the core has freed it (HTTP 408)."""
+
+
 class RequestFailedError(EngineError):
     """The core could not take one request (a defect: the front end validates first; HTTP 500)."""
 
@@ -64,8 +69,9 @@ class EngineObserver(Protocol):
 class RequestStream:
     """The outputs of one request, in order; ends after the output with `finished=True`.
 
-    Iterate it on the event loop. An engine failure or a forced shutdown ends it by raising
-    (`EngineDeadError` / `EngineStoppedError`); an abort ends it quietly. Closing it early
+    Iterate it on the event loop. An engine failure, a forced shutdown or the request's deadline
+    ends it by raising (`EngineDeadError` / `EngineStoppedError` / `RequestTimeoutError`); an
+    abort ends it quietly. Closing it early
     (`close()`) aborts the request.
     """
 
@@ -217,11 +223,14 @@ class AsyncEngine:
                 raise QueueFullError(f"the waiting queue is full ({self.max_queue} sequences wait for a slot)")
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          arrival_time: float | None = None, group_id: str | None = None) -> RequestStream:
+                          arrival_time: float | None = None, group_id: str | None = None, priority: int = 0,
+                          deadline: float | None = None) -> RequestStream:
         """Validate a request and send it to the core; its outputs arrive on the stream.
 
         Requests sharing a `group_id` (the prompts of one HTTP request) share batch slots with
-        other groups fairly as one client (see `Scheduler`).
+        other groups fairly as one client (see `Scheduler`). `priority` and `deadline`: see
+        `InputProcessor.process`; a request past its deadline ends its stream with
+        `RequestTimeoutError`.
 
         Raises `ValueError("<field>: ...")` for input the engine can't serve, `QueueFullError`,
         `EngineStoppedError` or `EngineDeadError`.
@@ -230,7 +239,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         request = self._processor.process(request_id, prompt, params, arrival_time or time.monotonic(),
-                                          group_id=group_id)
+                                          group_id=group_id, priority=priority, deadline=deadline)
         self._output_processor.add(request)
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
@@ -276,6 +285,13 @@ class AsyncEngine:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:  # aborted since the step began
+                continue
+            if any(c.finish_reason == FinishReason.TIMEOUT.value for c in output.outputs):
+                stream.put(RequestTimeoutError("the request did not finish before its deadline (request_timeout)"))
+                del self._streams[output.request_id]
+                core_ids = self._output_processor.abort(output.request_id)  # its other sequences, if live
+                if core_ids:
+                    self.core.send(CoreInputs(abort=core_ids))
                 continue
             stream.put(output)
             if output.finished:

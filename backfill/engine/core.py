@@ -38,14 +38,19 @@ class EngineCore:
             eos_token_ids=tuple(self.runner.model_config.eos_token_ids),
             max_num_seqs=config.max_num_seqs,
             num_kv_blocks=self.runner.num_kv_blocks,
+            scheduling_policy=config.scheduling_policy,
         )
         self._num_steps = 0
         self._prefix_cache_seen = (0, 0)  # the scheduler's (queries, hits) totals at the last step
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a sequence the front end validated (ids in the vocabulary, lengths that fit)."""
+        """Queue a sequence the front end validated (ids in the vocabulary, lengths that fit).
+        Without a deadline of its own it gets `config.request_timeout` after its arrival."""
         if self.scheduler.get_request(request.request_id) is not None:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        deadline = request.deadline
+        if deadline is None and self.config.request_timeout is not None:
+            deadline = request.arrival_time + self.config.request_timeout
         self.scheduler.add_request(Request(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -55,6 +60,7 @@ class EngineCore:
             priority=request.priority,
             arrival_time=request.arrival_time,
             group_id=request.group_id,
+            deadline=deadline,
         ))
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -74,7 +80,8 @@ class EngineCore:
         runner_output = self.runner.execute(scheduler_output)
         now = time.monotonic()
         changed = self.scheduler.update_from_output(scheduler_output, runner_output, now)
-        outputs = _outputs(changed, runner_output, now)
+        outputs = _timed_out(scheduler_output.timed_out_request_ids, now)
+        outputs += _outputs(changed, runner_output, now, self.scheduler.num_steps)
         self._num_steps += 1
         return outputs, self._stats(start, scheduler_output, slot_states)
 
@@ -121,8 +128,16 @@ class EngineCore:
         )
 
 
-def _outputs(changed: list[Request], runner_output: ModelRunnerOutput, now: float) -> list[EngineCoreOutput]:
-    """Plain outputs of the requests a step changed (each got exactly one token)."""
+def _timed_out(request_ids: list[str], now: float) -> list[EngineCoreOutput]:
+    """The ends of sequences whose deadline passed before the step: no token, reason "timeout"."""
+    return [EngineCoreOutput(request_id=request_id, new_token_ids=[], token_time=now,
+                             finish_reason=FinishReason.TIMEOUT.value) for request_id in request_ids]
+
+
+def _outputs(changed: list[Request], runner_output: ModelRunnerOutput, now: float,
+             num_steps: int) -> list[EngineCoreOutput]:
+    """Plain outputs of the requests a step changed (each got exactly one token); `num_steps`:
+    the scheduler's step count, this step included."""
     logprobs_by_id = {}
     if runner_output.logprobs is not None:
         logprobs_by_id = dict(zip(runner_output.request_ids, runner_output.logprobs))
@@ -140,6 +155,7 @@ def _outputs(changed: list[Request], runner_output: ModelRunnerOutput, now: floa
             finish_reason=reason.value if reason is not None else None,
             stop_token_id=request.stop_reason if isinstance(request.stop_reason, int) else None,
             num_cached_tokens=request.num_cached_tokens if request.num_output_tokens == 1 else None,
+            first_token_steps=num_steps - request.arrival_step if request.num_output_tokens == 1 else None,
         ))
     return outputs
 

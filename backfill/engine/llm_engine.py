@@ -62,15 +62,17 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         group_id: str | None = None,
+        deadline: float | None = None,
     ) -> None:
         """Queue a request. Raises `ValueError("<field>: ...")` for input the engine can't serve.
 
-        `group_id`: see `InputProcessor.process`.
+        `group_id`, `deadline`: see `InputProcessor.process` (a request past its deadline ends
+        with finish reason "timeout").
         """
         if request_id in self.output_processor:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         request = self.processor.process(request_id, prompt, params, arrival_time or time.monotonic(),
-                                         priority=priority, group_id=group_id)
+                                         priority=priority, group_id=group_id, deadline=deadline)
         self.output_processor.add(request)
         for sequence in request.sequences:
             self.core.add_request(sequence)

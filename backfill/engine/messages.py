@@ -24,13 +24,19 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     priority: int = 0
     group_id: str = ""  # the client request it belongs to; empty: a group of its own
+    # time.monotonic() after which the core ends it ("timeout"); None: the core's
+    # --request-timeout after arrival_time, if set
+    deadline: float | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one step did to one sequence: its new token (and logprobs), and whether it ended.
 
-    `finish_reason` is "stop" (EOS or a stop token id, then in `stop_token_id`) or "length".
+    `finish_reason` is "stop" (EOS or a stop token id, then in `stop_token_id`), "length", or
+    "timeout" (its deadline passed: no new tokens; the front end turns it into an error).
     Stop strings are the front end's business: it sees text, the core sees token ids.
+    `first_token_steps`, on a sequence's first token only: the engine steps from its arrival at
+    the core to that token (1: the first step after it arrived).
     """
 
     request_id: str
@@ -43,6 +49,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_token_id: int | None = None
     # On a sequence's first output: its prompt tokens whose K/V came from the prefix cache.
     num_cached_tokens: int | None = None
+    first_token_steps: int | None = None
 
 
 class CoreLoad(msgspec.Struct, array_like=True):
@@ -93,6 +100,7 @@ class CoreInfo(msgspec.Struct, array_like=True, tag=True):
     eos_token_ids: tuple[int, ...]  # the model's own (the tokenizer may name more)
     max_num_seqs: int
     num_kv_blocks: int
+    scheduling_policy: str = "fcfs"  # "priority": requests may set a priority
 
 
 class CoreFailed(msgspec.Struct, array_like=True, tag=True):

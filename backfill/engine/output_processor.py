@@ -35,6 +35,7 @@ class _Sequence:
     last_token_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    first_token_steps: int | None = None
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
 
@@ -69,6 +70,8 @@ class _Group:
             last_token_time=max((s.last_token_time for s in seqs if s.last_token_time is not None), default=None),
             finish_time=self.finish_time,
             num_preemptions=sum(s.num_preemptions for s in seqs),
+            first_token_steps=min((s.first_token_steps for s in seqs if s.first_token_steps is not None),
+                                  default=None),
         )
 
 
@@ -145,6 +148,8 @@ class OutputProcessor:
         seq.num_preemptions = output.num_preemptions
         if output.num_cached_tokens is not None:
             seq.num_cached_tokens = output.num_cached_tokens
+        if output.first_token_steps is not None:
+            seq.first_token_steps = output.first_token_steps
         seq.token_ids.extend(output.new_token_ids)
         if seq.logprobs is not None and output.new_logprobs:
             seq.logprobs.extend(output.new_logprobs)

@@ -34,12 +34,14 @@ class InputProcessor:
         self.eos_token_ids = tuple(dict.fromkeys(info.eos_token_ids + tokenizer.eos_token_ids))
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float,
-                priority: int = 0, group_id: str | None = None) -> ProcessedRequest:
+                priority: int = 0, group_id: str | None = None, deadline: float | None = None) -> ProcessedRequest:
         """Tokenize and check; split an n > 1 request into sequences `<id>#<i>` (seed + i each).
 
         `group_id` names the client request it belongs to (the server gives every prompt of one
         HTTP request the same): the scheduler shares slots fairly between groups. Default: the
-        request is a group of its own, its n sequences included.
+        request is a group of its own, its n sequences included. `priority`: lower first (see
+        `Scheduler`). `deadline` (time.monotonic()): the core ends the request then ("timeout");
+        None: the core's --request-timeout after arrival, if set.
         """
         prompt_text, prompt_token_ids = self._encode_prompt(prompt)
         self._check_lengths(prompt_token_ids, params)
@@ -59,6 +61,7 @@ class InputProcessor:
                 arrival_time=arrival_time,
                 priority=priority,
                 group_id=group_id or request_id,
+                deadline=deadline,
             ))
         return ProcessedRequest(request_id, prompt_text, prompt_token_ids, params, arrival_time, sequences)
 

@@ -159,12 +159,21 @@ def check_step(scheduler: Scheduler, output: SchedulerOutput, decoding_before: l
     # Fair share hands over at most one slot a step, and only when every slot was taken.
     assert set(output.fair_share_preempted_ids) <= set(output.preempted_request_ids)
     assert len(output.fair_share_preempted_ids) <= (config.policy == "continuous")
-    if set(output.preempted_request_ids) - set(output.fair_share_preempted_ids):
+    short_ids = set(output.preempted_request_ids) - set(output.fair_share_preempted_ids)
+    if short_ids and not scheduler.by_priority:
         assert all(s.new_request is None for s in scheduled)  # no admissions when short of blocks
+    elif short_ids:
+        # Priority policy: only a strictly better priority is admitted past a preemption.
+        worst = min(scheduler._effective_priority(r) for r in scheduler.waiting if r.request_id in short_ids)
+        for s in scheduled:
+            if s.new_request is not None:
+                admitted = scheduler.get_request(s.request_id)
+                assert admitted is not None and scheduler._effective_priority(admitted) < worst
     # Chunked prefill never starves a decode (given a budget of at least one token per slot).
     if config.max_num_batched_tokens >= config.max_num_seqs:
         for request in decoding_before:
-            assert request.request_id in ids or request.request_id in output.preempted_request_ids
+            assert request.request_id in ids or request.request_id in (
+                output.preempted_request_ids + output.timed_out_request_ids)
     # Slots: every running request holds one; those scheduled are the useful ones.
     states = scheduler.slot_states()
     assert len(states) == config.max_num_seqs

@@ -20,7 +20,8 @@ VALUES: dict[str, Any] = {
     "model": "/models/tiny", "policy": "static", "max_num_seqs": 3, "max_num_batched_tokens": 64,
     "num_kv_blocks": 7, "block_size": 8, "max_model_len": 512, "dtype": "bfloat16", "quantization": "int8",
     "device": "cuda:1", "seed": 5, "num_threads": 2, "prefill_budget": 0, "static_padding": False,
-    "prepack_weights": False, "enable_prefix_caching": False,
+    "prepack_weights": False, "enable_prefix_caching": False, "scheduling_policy": "priority",
+    "priority_aging_steps": 7, "request_timeout": 2.5,
 }
 
 
@@ -59,7 +60,8 @@ def test_booleans_take_both_forms() -> None:
 
 @pytest.mark.parametrize("argv", [
     ["--max-num-seqs", "0"], ["--max-num-batched-tokens", "-1"], ["--block-size", "0"], ["--num-kv-blocks", "0"],
-    ["--max-model-len", "1"], ["--prefill-budget", "-1"], ["--device", "tpu"],
+    ["--max-model-len", "1"], ["--prefill-budget", "-1"], ["--device", "tpu"], ["--priority-aging-steps", "0"],
+    ["--request-timeout", "0"], ["--request-timeout", "inf"],
 ])
 def test_bad_values_raise_value_error(argv: list[str]) -> None:
     args = _parse(argv)
@@ -67,7 +69,7 @@ def test_bad_values_raise_value_error(argv: list[str]) -> None:
         EngineConfig.from_cli_args(args)
 
 
-@pytest.mark.parametrize("argv", [["--policy", "greedy"], ["--dtype", "int4"], ["--quantization", "q2"],
+@pytest.mark.parametrize("argv", [["--policy", "greedy"], ["--scheduling-policy", "lifo"], ["--dtype", "int4"], ["--quantization", "q2"],
                                   ["--max-num-seqs", "many"]])
 def test_values_outside_the_choices_are_usage_errors(argv: list[str]) -> None:
     with pytest.raises(SystemExit):

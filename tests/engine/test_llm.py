@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 import sys
 
 import pytest
@@ -94,6 +95,26 @@ def test_abort_frees_blocks(llm_fp32: LLM) -> None:
     engine.abort_request(["a", "b", "unknown"])
     assert engine.num_kv_blocks_used == 0
     assert all(o.request_id not in ("a", "b") for o in engine.step())
+    _kv_clean(llm_fp32)
+
+
+def test_a_request_past_its_deadline_ends_with_timeout_and_frees_its_blocks(llm_fp32: LLM) -> None:
+    engine = llm_fp32.engine
+    now = time.monotonic()
+    engine.add_request("late", "Tell me a long story.", SamplingParams(max_tokens=100, ignore_eos=True),
+                       deadline=now + 3600)
+    engine.add_request("fine", "Tell me another one.", SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("past", "Too late.", SamplingParams(max_tokens=3), deadline=now)
+    outputs = engine.step()
+    (past,) = [o for o in outputs if o.request_id == "past"]
+    assert past.finished and past.outputs[0].finish_reason == "timeout" and past.outputs[0].token_ids == []
+    assert engine.core.scheduler.get_request("late") is not None and engine.num_kv_blocks_used > 0
+    engine.core.scheduler._deadlines["late"] = now  # its time is up while it runs
+    outputs = engine.step()
+    (late,) = [o for o in outputs if o.request_id == "late"]
+    assert late.finished and late.outputs[0].finish_reason == "timeout" and len(late.outputs[0].token_ids) == 1
+    while engine.has_unfinished_requests():
+        engine.step()
     _kv_clean(llm_fp32)
 
 

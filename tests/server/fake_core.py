@@ -54,6 +54,10 @@ class FakeCore:
             self.running.append(self.waiting.pop(0))
         outputs = []
         now = time.monotonic()
+        for request_id, (request, _) in list(self.state.items()):  # deadlines, as the Scheduler
+            if request.deadline is not None and request.deadline <= now:
+                outputs.append(EngineCoreOutput(request_id, [], now, finish_reason="timeout"))
+                self.abort([request_id])
         for request_id in list(self.running):
             request, tokens = self.state[request_id]
             tokens.append(100 + len(tokens))

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from backfill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError,
-                                          RequestFailedError)
+                                          RequestFailedError, RequestTimeoutError)
 from backfill.engine.core_process import CoreStartError, CoreProcess
 from backfill.tokenizer import Tokenizer, load_tokenizer
 from backfill.outputs import RequestOutput
@@ -134,6 +134,18 @@ def test_stop_string_ends_the_sequence_and_aborts_it_in_the_core(tokenizer: Toke
         assert await until(lambda: engine.stats.num_running == 0 and engine.stats.num_waiting == 0)
 
     run_engine(tokenizer, test, step_time=0.01)
+
+
+def test_a_request_past_its_deadline_fails_alone_with_request_timeout(tokenizer: Tokenizer) -> None:
+    async def test(engine: AsyncEngine) -> None:
+        late = await engine.add_request("late", [1], params(10**6), deadline=time.monotonic() + 0.2)
+        good = await engine.add_request("good", [2], params(5), deadline=time.monotonic() + 3600)
+        with pytest.raises(RequestTimeoutError, match="deadline"):
+            await collect(late)
+        assert (await collect(good))[-1].finished
+        assert await until(lambda: engine.num_in_flight == 0 and engine.stats.num_running == 0)
+
+    run_engine(tokenizer, test)
 
 
 def test_a_request_the_core_cannot_take_fails_alone(tokenizer: Tokenizer) -> None:

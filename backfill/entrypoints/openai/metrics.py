@@ -23,6 +23,7 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0]
+FIRST_TOKEN_STEP_BUCKETS = [1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 
@@ -72,10 +73,15 @@ class ServerMetrics:
         self.request_success = counter(
             "request_success", "Finished sequences, by finish reason.", ("finished_reason",))
         self.request_abort = counter("request_abort", "Requests aborted (client gone or shutdown).")
+        self.request_timeout = counter("request_timeout", "Sequences ended by their deadline (HTTP 408).")
         self.engine_steps = counter("engine_steps", "Engine steps run.")
+        self.step_duration = histogram("engine_step_duration_seconds", "Wall time of one engine step.", ITL_BUCKETS)
         self.slot_steps_used = counter("batch_slot_steps_used", "Sum over steps of batch_slots_used.")
         self.slot_steps_idle = counter("batch_slot_steps_idle", "Sum over steps of batch_slots_idle.")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.ttft_steps = histogram("time_to_first_token_steps",
+                                    "Engine steps from arrival at the core to the first token (1: the next step).",
+                                    FIRST_TOKEN_STEP_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
         self.queue_time = histogram(
@@ -85,8 +91,8 @@ class ServerMetrics:
                        self.kv_cache_cached_free_perc, self.prefix_cache_queries, self.prefix_cache_hits,
                        self.batch_slots_used, self.batch_slots_idle, self.batch_slots_empty,
                        self.num_preemptions, self.prompt_tokens, self.generation_tokens,
-                       self.request_abort, self.engine_steps, self.slot_steps_used, self.slot_steps_idle,
-                       self.ttft, self.itl, self.e2e, self.queue_time):
+                       self.request_abort, self.engine_steps, self.step_duration, self.slot_steps_used, self.slot_steps_idle,
+                       self.request_timeout, self.ttft, self.ttft_steps, self.itl, self.e2e, self.queue_time):
             metric.labels(**self._labels())
         for reason in ("stop", "length"):
             self.request_success.labels(finished_reason=reason, **self._labels())
@@ -100,6 +106,7 @@ class ServerMetrics:
         labels = self._labels()
         if stats is not None:
             self.engine_steps.labels(**labels).inc()
+            self.step_duration.labels(**labels).observe(stats.duration)
             self.batch_slots_used.labels(**labels).set(stats.num_slots_useful)
             self.batch_slots_idle.labels(**labels).set(stats.num_slots_idle)
             empty = max(stats.num_slots - stats.num_slots_useful - stats.num_slots_idle, 0)
@@ -119,6 +126,8 @@ class ServerMetrics:
         if previous is None and metrics.first_token_time is not None:
             self.prompt_tokens.labels(**labels).inc(len(output.prompt_token_ids))
             self.ttft.labels(**labels).observe(max(metrics.first_token_time - metrics.arrival_time, 0.0))
+            if metrics.first_token_steps is not None:
+                self.ttft_steps.labels(**labels).observe(metrics.first_token_steps)
             if metrics.first_scheduled_time is not None:
                 queued = metrics.first_scheduled_time - metrics.arrival_time
                 self.queue_time.labels(**labels).observe(max(queued, 0.0))
@@ -127,7 +136,9 @@ class ServerMetrics:
         if metrics.last_token_time is not None:
             self._last_token_time[output.request_id] = metrics.last_token_time
         for completion in output.outputs:
-            if completion.finish_reason is not None:
+            if completion.finish_reason == "timeout":
+                self.request_timeout.labels(**labels).inc()
+            elif completion.finish_reason is not None:
                 reason = completion.finish_reason
                 self.request_success.labels(finished_reason=reason, **labels).inc()
         if output.finished:

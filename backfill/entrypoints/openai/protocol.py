@@ -21,6 +21,9 @@ MAX_BODY_BYTES = 32 * 1024 * 1024  # a larger body is a 413 before it is parsed
 # per container, so `[[1], [1], ...]` in 32 MB would stall every client for ~4 s; a legitimate
 # request needs a few per prompt or message (prompts are bounded by --max-seqs-per-request).
 MAX_JSON_CONTAINERS = 65_536
+# `priority` (vLLM's extension) range: aging lifts a waiting request one level per
+# --priority-aging-steps, so the widest gap bounds how long a request can be overtaken.
+MAX_PRIORITY = 1000
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
@@ -83,6 +86,10 @@ class SamplingFields(StrictModel):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # lower runs first
+    # backfill extension: seconds from arrival (queueing included) before the request ends with a
+    # 408 `request_timeout` error; null: the server's --request-timeout
+    request_timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
     # Declared only to be rejected when used (see the module docstring).
     tools: list[Any] | None = None
     functions: list[Any] | None = None

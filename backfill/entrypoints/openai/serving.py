@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from backfill.core.outputs import TokenLogprobs
 from backfill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineError, EngineStoppedError,
-                                          QueueFullError, RequestStream)
+                                          QueueFullError, RequestStream, RequestTimeoutError)
 from backfill.entrypoints.openai.protocol import (
     APIError, AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
@@ -59,6 +59,10 @@ def engine_error(error: BaseException, renames: dict[str, str] | None = None) ->
     if isinstance(error, EngineStoppedError):
         return APIError(503, str(error), "server_error", code="shutting_down",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(error, RequestTimeoutError):
+        # NOTE: 408, not 504: the request's own time ran out (its request_timeout or the
+        # server's --request-timeout), not an upstream's; the error names the field to raise.
+        return APIError(408, str(error), "timeout_error", "request_timeout", "request_timeout")
     if isinstance(error, EngineDeadError):
         return APIError(500, str(error), "server_error", code="engine_dead")
     if isinstance(error, EngineError):
@@ -213,17 +217,24 @@ class OpenAIServing:
             raise bad_request(f"{param}: token ids must be in [0, {self.vocab_size})", param)
 
     async def _submit(self, request_id: str, prompts: list[_Prompt], params: SamplingParams,
-                      renames: dict[str, str]) -> list[RequestStream]:
+                      renames: dict[str, str], fields: SamplingFields) -> list[RequestStream]:
         """Queue every prompt at once; if any is refused, abort the others and raise.
 
         Cancelling the caller cancels every `add_request`, each of which aborts its request.
         """
+        policy = self.engine.info.scheduling_policy
+        if fields.priority and policy != "priority":  # as vLLM: refused rather than ignored
+            raise bad_request(f"priority: {fields.priority} needs --scheduling-policy priority "
+                              f"(this server schedules {policy}); omit it or send 0", "priority")
         arrival = time.monotonic()
+        # Queued time counts: the deadline runs from arrival (None: the server's --request-timeout).
+        deadline = None if fields.request_timeout is None else arrival + fields.request_timeout
         # NOTE: every prompt of the request shares one group: the scheduler's fair share treats
         # the whole request as one client.
         results = await asyncio.gather(*(
             self.engine.add_request(request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                                    prompt.token_ids, params, arrival, group_id=request_id)
+                                    prompt.token_ids, params, arrival, group_id=request_id,
+                                    priority=fields.priority or 0, deadline=deadline)
             for i, prompt in enumerate(prompts)), return_exceptions=True)
         streams = [result for result in results if isinstance(result, RequestStream)]
         errors = [result for result in results if isinstance(result, BaseException)]
@@ -254,7 +265,7 @@ class OpenAIServing:
             prompts.append(_Prompt(item if isinstance(item, str) else None, ids))
         params = self._sampling_params(request, request.max_tokens, request.logprobs, {})
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(request_id, prompts, params, {})
+        streams = await self._submit(request_id, prompts, params, {}, request)
         if request.echo:
             for prompt in prompts:
                 if prompt.text is None:
@@ -358,7 +369,7 @@ class OpenAIServing:
         params = self._sampling_params(request, max_tokens, num_top, renames)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompts = [_Prompt(text, ids)]
-        streams = await self._submit(request_id, prompts, params, renames)
+        streams = await self._submit(request_id, prompts, params, renames, request)
         created = int(time.time())
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
