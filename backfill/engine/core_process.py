@@ -263,15 +263,26 @@ class CoreProcess:
         self._reader = self._loop.create_task(read(), name="backfill-core-reader")
         self._loop.add_reader(self.process.sentinel, exited)
 
-    def send(self, message: CoreInputs) -> None:
-        self._inputs.send(self._encoder.encode(message), copy=False)
+    def send(self, message: CoreInputs) -> bool:
+        """Queue a message for the core; False (dropped) if the core is gone.
+
+        NOTE: never blocks. With no high-water mark a PUSH socket only blocks when no peer is
+        connected, i.e. when the core has died (its death is reported through the sentinel) or
+        is dying: a blocking send would then hang the event loop for good.
+        """
+        try:
+            self._inputs.send(self._encoder.encode(message), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.warning("the engine core is gone: a message to it was dropped")
+            return False
+        return True
 
     async def shutdown(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Tell the core to stop, wait for it (SIGKILL after `timeout` s), release everything."""
         self.stopping = True
         if self.process is not None and self.process.is_alive():
-            self.send(CoreInputs(shutdown=True))
-            await asyncio.to_thread(self.process.join, timeout)
+            if self.send(CoreInputs(shutdown=True)):
+                await asyncio.to_thread(self.process.join, timeout)
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,7 @@ import pytest
 from backfill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError,
                                           RequestFailedError, RequestTimeoutError)
 from backfill.engine.core_process import CoreStartError, CoreProcess
+from backfill.engine.messages import CoreInputs
 from backfill.tokenizer import Tokenizer, load_tokenizer
 from backfill.outputs import RequestOutput
 from backfill.sampling_params import SamplingParams
@@ -294,3 +296,21 @@ def test_no_core_outlives_a_killed_front_end() -> None:
     finally:
         front.kill()
         front.wait(30)
+
+
+def test_messages_to_a_dead_core_are_dropped_not_blocked() -> None:
+    # A PUSH socket whose peer is gone blocks a plain send for good: the event loop would hang
+    # between the core's death and the moment its sentinel is handled.
+    core, _ = start_fake_core()
+    try:
+        os.kill(core.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        core.process.join(30)  # type: ignore[union-attr]
+        results: list[bool] = []
+        sender = threading.Thread(target=lambda: results.extend(
+            core.send(CoreInputs(abort=["x"])) for _ in range(50)), daemon=True)
+        sender.start()
+        sender.join(30)
+        assert not sender.is_alive() and len(results) == 50
+        asyncio.run(asyncio.wait_for(core.shutdown(), 30))
+    finally:
+        core.close()
