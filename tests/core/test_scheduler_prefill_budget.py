@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from backfill.core.scheduler import Scheduler, _PrefillBudget
+from backfill.core.prefill_budget import PrefillBudget
+from backfill.core.scheduler import Scheduler
 from tests.core.core_factories import FakeRunner, assert_all_free, expected_output, make_config, make_request, step
 
 
@@ -30,7 +31,7 @@ def test_a_long_prompt_is_chunked_within_the_budget_while_streams_decode(context
     step(scheduler, runner)  # the four short prompts: nothing decodes yet, whole budget
     long = make_request("long", 400, 2, arrival_time=1.0, first_token=50, group_id="long")
     scheduler.add_request(long)
-    budget = _PrefillBudget(16, context_cost)
+    budget = PrefillBudget(16, context_cost)
     chunks = []
     while long.num_output_tokens == 0:
         start = long.num_computed_tokens
@@ -100,7 +101,7 @@ def test_two_prompts_share_one_budget() -> None:
 
 def test_chunk_len_is_the_largest_chunk_within_the_budget() -> None:
     for cost in (0.0, 0.001, 0.37, 5.0):
-        budget = _PrefillBudget(50, cost)
+        budget = PrefillBudget(50, cost)
         request = make_request("r", 5000, 1)
         for start in (0, 1, 17, 999, 4000):
             request.num_computed_tokens = start
