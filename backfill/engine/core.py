@@ -40,7 +40,6 @@ class EngineCore:
             num_kv_blocks=self.runner.num_kv_blocks,
             scheduling_policy=config.scheduling_policy,
         )
-        self._num_steps = 0
         self._prefix_cache_seen = (0, 0)  # the scheduler's (queries, hits) totals at the last step
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -82,7 +81,6 @@ class EngineCore:
         changed = self.scheduler.update_from_output(scheduler_output, runner_output, now)
         outputs = _timed_out(scheduler_output.timed_out_request_ids, now)
         outputs += _outputs(changed, runner_output, now, self.scheduler.num_steps)
-        self._num_steps += 1
         return outputs, self._stats(start, scheduler_output, slot_states)
 
     def load(self) -> CoreLoad:
@@ -93,7 +91,7 @@ class EngineCore:
             num_kv_blocks_used=kv.num_used_blocks,
             num_kv_blocks_total=kv.num_blocks,
             num_preemptions_total=self.scheduler.num_preemptions_total,
-            num_steps=self._num_steps,
+            num_steps=self.scheduler.num_steps,
             num_kv_blocks_cached_free=kv.num_cached_free_blocks,
         )
 
@@ -105,7 +103,7 @@ class EngineCore:
         seen_queries, seen_hits = self._prefix_cache_seen
         self._prefix_cache_seen = (queries, hits)
         return StepStats(
-            step=self._num_steps,
+            step=self.scheduler.num_steps,  # one schedule() a step: this step's number
             start_time=start,
             duration=time.monotonic() - start,
             num_batched_tokens=scheduler_output.num_batched_tokens,

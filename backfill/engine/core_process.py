@@ -171,8 +171,8 @@ class CoreProcess:
     """The front end's handle on a core process.
 
     `start()` (blocking: the model loads; or `launch()`, then `wait_ready()`) returns the core's
-    `CoreInfo`; call it from the main thread, whose exit is what PR_SET_PDEATHSIG watches. Then `attach()` on the event loop that
-    consumes the outputs. `send()` never blocks. `shutdown()` stops the core; `kill()` is the
+    `CoreInfo`; call it from the main thread, whose exit is what PR_SET_PDEATHSIG watches. Then
+    `attach()` on the event loop that consumes the outputs. `send()` never blocks. `shutdown()` stops the core; `kill()` is the
     last resort of every exit path.
     """
 
