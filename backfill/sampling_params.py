@@ -2,13 +2,86 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
+# A grammar's source text (a JSON schema once serialized, a regex, a Lark/GBNF grammar, the
+# choices together): what one request may ask the grammar engine to compile. Compiling is
+# bounded by llguidance's parser limits too (`backfill/structured_output`).
+MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_CHOICES = 1024
 
 
 def _fail(name: str, message: str) -> None:
     raise ValueError(f"{name}: {message}")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's `structured_outputs`): exactly one field is set.
+
+    `json`: a JSON schema (a dict or its text); `json_object`: any JSON object; `regex`: a
+    regular expression the whole output matches; `choice`: one of these strings, exactly;
+    `grammar`: a Lark or GBNF (llama.cpp) grammar. An invalid value raises `ValueError` whose
+    message starts with `structured_outputs.<field>`. A grammar that is well-formed here but
+    that the grammar engine rejects (an unsupported schema keyword, a bad regex) is found when
+    it is compiled (`backfill.structured_output.check_grammar`).
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            _fail("structured_outputs", "set exactly one of json, regex, choice, grammar, json_object"
+                  + (f" (got {', '.join(given)})" if given else ""))
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as error:
+                    _fail("structured_outputs.json", f"not valid JSON: {error}")
+                if not isinstance(schema, (dict, bool)):
+                    _fail("structured_outputs.json", "a JSON schema must be an object")
+            elif not isinstance(self.json, dict):
+                _fail("structured_outputs.json", "must be a JSON schema (an object or its text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                _fail(f"structured_outputs.{name}", "must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, list) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                _fail("structured_outputs.choice", "must be a non-empty list of non-empty strings")
+            if len(self.choice) > MAX_CHOICES:
+                _fail("structured_outputs.choice", f"at most {MAX_CHOICES} choices, got {len(self.choice)}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            _fail("structured_outputs.json_object", "must be a boolean")
+        kind, text = self.source()
+        if len(text) > MAX_GRAMMAR_CHARS:
+            _fail(f"structured_outputs.{kind}", f"longer than {MAX_GRAMMAR_CHARS} characters")
+
+    def source(self) -> tuple[str, str]:
+        """(the field that is set, its text): what is compiled, and the key compiled grammars
+        are cached under."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return "json", text
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json_object", ""
 
 
 @dataclass
@@ -38,6 +111,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-N alternatives per generated token (0: chosen token only)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Constrained decoding: the output matches this grammar (None: unconstrained).
+    structured_outputs: StructuredOutputsParams | None = None
     stop_list: list[str] = field(init=False, repr=False)
     # NOTE: checked after every token of every sequence: a set keeps a long list cheap.
     stop_token_id_set: frozenset[int] = field(init=False, repr=False)
@@ -103,6 +178,10 @@ class SamplingParams:
             _fail("ignore_eos", "must be a boolean")
         if self.logprobs is not None:
             self._check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            _fail("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:
