@@ -50,8 +50,10 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return list(self.hf.convert_ids_to_tokens(ids))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render a chat as prompt text with the model's template.
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render a chat as prompt text with the model's template; `tools` (OpenAI-format
+        function tools) are the template's `tools` variable, as transformers passes them.
 
         Raises ValueError("messages: ...") when the messages are malformed, the model has no
         chat template, or the template rejects them.
@@ -60,8 +62,9 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("messages: this model has no chat template; use a plain prompt")
         try:
+            extra = {"tools": tools} if tools else {}
             text = self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
             )
         except Exception as exc:  # jinja2 TemplateError, or the template's own raise_exception
             raise ValueError(f"messages: the chat template rejected them: {exc}") from exc
@@ -69,18 +72,20 @@ class Tokenizer:
             raise ValueError(f"messages: the chat template returned {type(text).__name__}, not text")
         return text
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> tuple[str, list[int]]:
         """The chat as prompt text and token ids, where only the template's own markers are
         special tokens: a message's text is encoded as the plain characters it is made of.
 
         So content such as "hi<|im_end|><|im_start|>system ..." cannot close its turn and forge
         another (chat-template injection), for any role and any special token. The ids equal
         `encode(apply_chat_template(messages), add_special_tokens=False)` whenever no message
-        contains special-token text. Raises ValueError("messages: ...") as `apply_chat_template`.
+        contains special-token text; the same holds for the text of `tools`. Raises
+        ValueError("messages: ...") as `apply_chat_template`.
         """
         if self._chat_encoder is None:
             self._chat_encoder = _ChatEncoder(self.hf)
-        return self._chat_encoder.encode(self, messages, add_generation_prompt)
+        return self._chat_encoder.encode(self, messages, add_generation_prompt, tools)
 
     @property
     def all_special_ids(self) -> list[int]:
@@ -126,9 +131,10 @@ class _ChatEncoder:
             backend.no_truncation()
             backend.no_padding()
 
-    def encode(self, tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
+    def encode(self, tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool,
+               tools: list[dict] | None = None) -> tuple[str, list[int]]:
         if self.special_pattern is None or self.marker_pattern is None:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
             return text, tokenizer.encode(text, add_special_tokens=False)
         nonce = secrets.token_hex(8)
         index = {token: i for i, token in enumerate(self.specials)}
@@ -146,7 +152,7 @@ class _ChatEncoder:
         def reveal(text: str) -> str:
             return placeholder.sub(lambda m: self.specials[int(m.group(1))], text)
 
-        rendered = tokenizer.apply_chat_template(hide(messages), add_generation_prompt)
+        rendered = tokenizer.apply_chat_template(hide(messages), add_generation_prompt, hide(tools))
         pieces: list[str] = []  # text, marker, text, marker, ..., text
         start = 0
         for match in self.marker_pattern.finditer(rendered):

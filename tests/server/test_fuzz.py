@@ -34,6 +34,7 @@ FIELDS = {
                                                        "suffix"]),
     "/v1/chat/completions": (CHAT, SAMPLING_FIELDS + ["messages", "max_tokens", "max_completion_tokens", "logprobs",
                                                       "top_logprobs", "response_format", "tool_choice", "modalities",
+                                                      "parallel_tool_calls", "function_call",
                                                       "messages[0].role", "messages[0].content",
                                                       "messages[0].content[0].text", "messages[0].name"]),
 }

@@ -3,9 +3,11 @@
 Requests are parsed strictly from JSON (`"max_tokens": "10"` or `true` is a 400, as at OpenAI).
 Unknown fields are ignored, as OpenAI ignores fields it does not know, except fields that would
 change the result and that we do not support: those are declared here and rejected with a 400
-naming them (`tools`, `functions`, `tool_calls`, `tool_choice` that forces a tool,
+naming them (`tools` on /v1/completions, the legacy `functions`/`function_call` (use `tools`),
 `response_format` other than text, `suffix`, `best_of` other than `n`, `echo` together with
-`logprobs`, non-text message parts, `tool`/`function` messages, `modalities` other than text).
+`logprobs`, non-text message parts, `function` messages, `modalities` other than text).
+Tool calling on /v1/chat/completions is `tools`, `tool_choice` and `parallel_tool_calls`
+(`tool_calls.py`).
 A client that relies on them learns it at once instead of getting a silently different answer.
 """
 
@@ -91,7 +93,6 @@ class SamplingFields(StrictModel):
     # 408 `request_timeout` error; null: the server's --request-timeout
     request_timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
     # Declared only to be rejected when used (see the module docstring).
-    tools: list[Any] | None = None
     functions: list[Any] | None = None
 
     @field_validator("stop")
@@ -109,11 +110,11 @@ class SamplingFields(StrictModel):
             raise ValueError("stop sequences must not be empty")
         return value
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+    def _no_functions(cls, value: list[Any] | None) -> list[Any] | None:
         if value:
-            raise ValueError("tool and function calling are not supported by this server")
+            raise ValueError("legacy function calling is not supported; use tools and tool_choice")
         return value
 
     def check_stream_options(self) -> None:
@@ -130,6 +131,14 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    tools: list[Any] | None = None  # declared only to be rejected: tools need a chat
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("tools need /v1/chat/completions")
+        return value
 
     @field_validator("prompt")
     @classmethod
@@ -173,18 +182,51 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionDefinition(StrictModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object; None: no parameters
+    strict: bool | None = None  # accepted; arguments are constrained only when a call is forced
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError('must be a JSON schema of an object ("type": "object")')
+        return value
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
-
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tool calls are not supported by this server")
-        return value
+    tool_calls: list[ToolCall] | None = None  # assistant turns only
+    tool_call_id: str | None = None  # tool turns only: the call this result answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -205,17 +247,42 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    tool_choice: Literal["none", "auto"] | None = None  # with no tools, both mean "answer in text"
     modalities: list[Literal["text"]] | None = None
+    # Tool calling (`tool_calls.py`); `tool_choice` None: "auto" with tools, "none" without.
+    tools: list[ChatTool] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | NamedToolChoice, by _check_tool_choice
+    parallel_tool_calls: bool | None = None
+    function_call: Any = None  # legacy: refused in check()
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(cls, value: Any) -> str | NamedToolChoice | None:
+        if value is None or value in ("none", "auto", "required"):
+            return value  # type: ignore[no-any-return]
+        if isinstance(value, dict):
+            try:
+                return NamedToolChoice.model_validate(value)
+            except ValidationError:
+                pass
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
 
     def check(self) -> None:
         self.check_stream_options()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.function_call is not None:
+            raise bad_request("function_call: legacy function calling is not supported; use tools and tool_choice",
+                              "function_call")
         for index, message in enumerate(self.messages):
             if message.content is None and message.role != "assistant":
                 raise bad_request(f"messages[{index}].content is required for role {message.role!r}",
                                   f"messages[{index}].content")
+            if message.tool_calls and message.role != "assistant":
+                raise bad_request(f"messages[{index}].tool_calls: only assistant messages carry tool calls",
+                                  f"messages[{index}].tool_calls")
+            if message.role == "tool" and not message.tool_call_id:
+                raise bad_request(f"messages[{index}].tool_call_id is required for role 'tool'",
+                                  f"messages[{index}].tool_call_id")
 
     @property
     def max_tokens_param(self) -> str:
@@ -339,6 +406,7 @@ class AssistantMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(ResponseModel):
@@ -361,6 +429,9 @@ class ChatCompletionResponse(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # {"index", "id"?, "type"?, "function": {"name"?, "arguments"?}}: only the keys a chunk sets,
+    # as OpenAI sends them (clients concatenate the strings of one index).
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatStreamChoice(ResponseModel):

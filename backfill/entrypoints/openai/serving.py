@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import re
 import time
@@ -29,6 +30,7 @@ from backfill.entrypoints.openai.protocol import (
     CompletionRequest, CompletionResponse, PromptTokensDetails, SamplingFields, TokenLogprob, TopLogprob, UsageInfo,
     bad_request)
 from backfill.entrypoints.openai.token_text import TokenText
+from backfill.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan, plan_tools, prompt_messages
 from backfill.outputs import CompletionOutput, RequestOutput
 from backfill.sampling_params import SamplingParams
 
@@ -352,14 +354,14 @@ class OpenAIServing:
         self.check_model(request.model)
         request.check()
         self._check_fan_out(1, request.n)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in request.messages]
+        tool_plan = plan_tools(request)
+        messages, tools = prompt_messages(request.messages, tool_plan, self.tokenizer.chat_template)
         try:
             # Message text is encoded as text: only the template's markers become special tokens.
-            if sum(len(m["content"]) for m in messages) > LONG_TEXT_CHARS:
-                text, ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, True)
+            if sum(len(m["content"]) for m in messages) + len(json.dumps(tools or [])) > LONG_TEXT_CHARS:
+                text, ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, True, tools)
             else:
-                text, ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+                text, ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
         except ValueError as error:
             raise value_error(error) from None
         self._check_prompt(ids, "messages")
@@ -367,23 +369,42 @@ class OpenAIServing:
         num_top = (request.top_logprobs or 0) if request.logprobs else None
         renames = {"max_tokens": request.max_tokens_param, "logprobs": "top_logprobs", "prompt": "messages"}
         params = self._sampling_params(request, max_tokens, num_top, renames)
+        if tool_plan is not None:
+            params = self._with_tool_constraint(params, tool_plan, renames)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompts = [_Prompt(text, ids)]
         streams = await self._submit(request_id, prompts, params, renames, request)
         created = int(time.time())
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return SSEStream(self._chat_stream(request_id, created, streams[0], prompts, params, include_usage),
-                             streams)
+            return SSEStream(self._chat_stream(request_id, created, streams[0], prompts, params, include_usage,
+                                               tool_plan), streams)
         finals, logprobs = await self._collect(streams)
         choices = []
         for (_, k), completion in sorted(finals.items()):
             lp = self._chat_logprobs(logprobs[(0, k)], params.logprobs) if params.logprobs is not None else None
-            choices.append(ChatChoice(index=k, message=AssistantMessage(content=completion.text), logprobs=lp,
-                                      finish_reason=completion.finish_reason))
+            message, finish_reason = AssistantMessage(content=completion.text), completion.finish_reason
+            if tool_plan is not None:
+                content, calls = tool_plan.parse(completion.text)
+                if calls:
+                    message, finish_reason = AssistantMessage(content=content, tool_calls=calls), "tool_calls"
+            choices.append(ChatChoice(index=k, message=message, logprobs=lp, finish_reason=finish_reason))
         usage = self._usage(prompts, sum(len(c.token_ids) for c in finals.values()), streams)
         return ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name,
                                       choices=choices, usage=usage)
+
+    @staticmethod
+    def _with_tool_constraint(params: SamplingParams, plan: ToolPlan, renames: dict[str, str]) -> SamplingParams:
+        """`params` constrained to a forced tool call (unchanged in "auto")."""
+        constraint = plan.structured_outputs()
+        if constraint is None:
+            return params
+        if params.structured_outputs is not None:
+            raise bad_request("tool_choice: a forced tool call cannot be combined with another output "
+                              "constraint (response_format)", "tool_choice")
+        # NOTE: the grammar engine may reject a tool's schema: its error names the tools.
+        renames["structured_outputs.json"] = "tools"
+        return dataclasses.replace(params, structured_outputs=constraint)
 
     def _chat_logprobs(self, deltas: Sequence[TokenLogprobs], num_top: int) -> ChatLogprobs:
         content = []
@@ -395,7 +416,8 @@ class OpenAIServing:
         return ChatLogprobs(content=content)
 
     def _chat_stream(self, request_id: str, created: int, stream: RequestStream, prompts: list[_Prompt],
-                     params: SamplingParams, include_usage: bool) -> AsyncGenerator[str, None]:
+                     params: SamplingParams, include_usage: bool,
+                     tool_plan: ToolPlan | None = None) -> AsyncGenerator[str, None]:
         def chunk(index: int, delta: dict[str, Any], lp: ChatLogprobs | None = None,
                   finish: str | None = None) -> str:
             choice = ChatStreamChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish)
@@ -403,6 +425,7 @@ class OpenAIServing:
                                            choices=[choice]))
 
         num_tokens: dict[int, int] = {}
+        tool_streams: dict[int, ToolCallStream] = {}
 
         async def events() -> AsyncGenerator[str, None]:
             for k in range(params.n):
@@ -413,10 +436,19 @@ class OpenAIServing:
                     lp = None
                     if params.logprobs is not None and completion.delta_logprobs:
                         lp = self._chat_logprobs(completion.delta_logprobs, params.logprobs)
-                    if completion.delta_text or lp is not None:
-                        yield chunk(completion.index, {"content": completion.delta_text}, lp)
-                    if completion.finish_reason is not None:
-                        yield chunk(completion.index, {}, None, completion.finish_reason)
+                    finish_reason = completion.finish_reason
+                    if tool_plan is None:
+                        deltas = [{"content": completion.delta_text}] if completion.delta_text or lp is not None else []
+                    else:
+                        tool_stream = tool_streams.setdefault(completion.index, tool_plan.stream())
+                        deltas = tool_stream.feed(completion.delta_text, finish_reason)
+                        finish_reason = tool_stream.finish_reason
+                        if lp is not None and not deltas:
+                            deltas = [{}]  # logprobs of text held back: sent now, the text later
+                    for i, delta in enumerate(deltas):
+                        yield chunk(completion.index, delta, lp if i == 0 else None)
+                    if finish_reason is not None:
+                        yield chunk(completion.index, {}, None, finish_reason)
 
         def usage_chunk() -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name, choices=[],
