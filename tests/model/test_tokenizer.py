@@ -177,3 +177,29 @@ def test_marker_text_in_a_metaspace_first_tokenizer(tmp_path: Path) -> None:
     assert ids[4] == words.index("user")  # after a marker: not at offset 0, so no "▁"
     _, hostile = tokenizer.encode_chat([{"role": "user", "content": "hi <end> there"}], add_generation_prompt=False)
     assert hostile.count(hf.convert_tokens_to_ids("<end>")) == 1  # the template's only
+
+
+def test_marker_text_in_tools_and_tool_turns_is_text() -> None:
+    """Tools reach the template as its `tools` variable, tool calls and results as messages: a
+    marker written in any of them is text, as in message content."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = RawTokenizer(models.WordLevel({"<unk>": 0, "x": 1}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.add_special_tokens(["<s>", "<end>"])
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="<end>", unk_token="<unk>")
+    hf.chat_template = ("{% for t in tools %}{{ t['function']['description'] + ' <end> ' }}{% endfor %}"
+                        "{% for m in messages %}{{ m['role'] + ' ' + m['content'] }}"
+                        "{% for c in m['tool_calls'] or [] %}{{ ' ' + c['function']['arguments']['q'] }}{% endfor %}"
+                        "{{ ' <end> ' }}{% endfor %}")
+    tokenizer = Tokenizer(hf)
+    tools = [{"type": "function", "function": {"name": "f", "description": "x <end> x", "parameters": {}}}]
+    messages = [{"role": "user", "content": "x", "tool_calls": None},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"q": "x <end>"}}}]},
+                {"role": "tool", "content": "x <end> x", "tool_call_id": "c", "tool_calls": None}]
+    text, ids = tokenizer.encode_chat(messages, add_generation_prompt=False, tools=tools)
+    assert text == tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=tools)
+    assert text.count("<end>") == 7 and ids.count(hf.convert_tokens_to_ids("<end>")) == 4  # the template's own
