@@ -214,3 +214,18 @@ def test_prompt_through_a_template_that_knows_tools() -> None:
     assert tools == [WEATHER]
     assert messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
     assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+def test_required_stream_sends_each_call_when_its_item_is_complete() -> None:
+    required = plan(tools=[WEATHER, TIME], tool_choice="required")
+    stream = required.stream()
+    assert stream.feed('[{"name": "get_time", "parameters": {', None) == []
+    first = stream.feed('}}, {"name": "get_weather", ', None)
+    assert [d["tool_calls"][0]["function"]["name"] for d in first] == ["get_time"]
+    assert first[0]["tool_calls"][0]["index"] == 0 and first[0]["tool_calls"][0]["id"].startswith("call_")
+    rest = stream.feed('"parameters": {"city": "Rome"}}]', "stop")
+    assert [(d["tool_calls"][0]["index"], d["tool_calls"][0]["function"]["name"]) for d in rest] == [(1, "get_weather")]
+    assert stream.finish_reason == "tool_calls"
+    # Cut by max_tokens after one complete item: that call was sent; the finish says "length".
+    content, calls, finish = stream_text(required, ['[{"name": "get_time", "parameters": {}}, {"na'], "length")
+    assert (content, [c["name"] for c in calls], finish) == ("", ["get_time"], "length")

@@ -45,6 +45,7 @@ MAX_TOOLS_CHARS = MAX_GRAMMAR_CHARS // 2
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_DECODER = json.JSONDecoder()
 
 Mode = Literal["auto", "required", "named"]
 
@@ -191,42 +192,73 @@ class ToolCallStream:
     """One choice's text deltas as OpenAI stream deltas (`{"content"}` or `{"tool_calls"}`).
 
     "named": the call's header comes first, then the decoded text as argument fragments.
-    "required": held back, the calls sent whole at the end. "auto": content is sent as it comes
-    while it cannot be the start of a call; from a `<tool_call>` (or an output that starts
-    with `{` or `[`) on, the text is held back and sent at the end, as calls if it parses as
-    calls, as content otherwise. `finish_reason` is "tool_calls" once calls were sent.
+    "required": each call is sent whole as soon as its item of the array is complete.
+    "auto": content is sent as it comes while it cannot be the start of a call; from a
+    `<tool_call>` (or an output that starts with `{` or `[`) on, the text is held back and sent
+    at the end, as calls if it parses as calls (`ToolPlan.parse`), as content otherwise.
+    `finish_reason` is "tool_calls" when the whole output parsed as calls. NOTE: calls sent
+    cannot be taken back: a forced output cut by max_tokens ends with the calls (or argument
+    fragments) sent so far and "length", where the whole answer would be content.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.finish_reason: str | None = None
-        self._state = "undecided" if plan.mode == "auto" else "held"
-        self._held = ""  # text not sent yet
-        self._text = ""  # the whole output ("named")
-        self._call_id: str | None = None
+        self._state = "undecided"  # "auto": then "content" or "held"
+        self._held = ""  # text not sent yet (the whole output in "named" and "required")
+        self._scan = 0  # "required": where the next item of the array may start in `_held`
+        self._num_calls = 0  # calls sent
 
     def feed(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
         """The deltas to send for `text`; on the last output (a finish reason), the rest."""
-        deltas = self._forced(text) if self.plan.mode == "named" else self._auto(text)
+        if self.plan.mode == "named":
+            deltas = self._named(text)
+        else:
+            deltas = self._required(text) if self.plan.mode == "required" else self._auto(text)
         if finish_reason is not None:
-            deltas += self._finish()
-            self.finish_reason = "tool_calls" if self._state == "calls" else finish_reason
+            content, calls = self.plan.parse(self._held)
+            self.finish_reason = "tool_calls" if calls else finish_reason
+            if self.plan.mode != "named":
+                if not calls and not self._num_calls and content:
+                    deltas.append({"content": content})
+                deltas += [self._call_delta(call) for call in calls[self._num_calls:]]
         return deltas
 
-    def _forced(self, text: str) -> list[dict[str, Any]]:
+    def _call_delta(self, call: ToolCall) -> dict[str, Any]:
+        delta = {"index": self._num_calls, "id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": call.function.arguments}}
+        self._num_calls += 1
+        return {"tool_calls": [delta]}
+
+    def _named(self, text: str) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
-        self._text += text
-        if self._call_id is None:
-            self._call_id = new_call_id()
-            deltas.append({"tool_calls": [{"index": 0, "id": self._call_id, "type": "function",
-                                           "function": {"name": self.plan.name, "arguments": ""}}]})
+        self._held += text
+        if not self._num_calls:
+            deltas.append(self._call_delta(ToolCall(id=new_call_id(),
+                                                    function=FunctionCall(name=self.plan.name or "", arguments=""))))
         if text:
             deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
         return deltas
 
+    def _required(self, text: str) -> list[dict[str, Any]]:
+        self._held += text
+        deltas: list[dict[str, Any]] = []
+        while "}" in text:  # an item may have ended
+            start = len(self._held) - len(self._held[self._scan:].lstrip(" \n\t[,"))
+            try:
+                item, end = _DECODER.raw_decode(self._held, start)
+            except ValueError:
+                break
+            calls = _calls([item], self.plan.schemas, "parameters")
+            if not calls:
+                break
+            deltas.append(self._call_delta(calls[0]))
+            self._scan = end
+        return deltas
+
     def _auto(self, text: str) -> list[dict[str, Any]]:
         self._held += text
-        if self.plan.mode == "required" or self._state == "held":
+        if self._state == "held":
             return []
         if self._state == "undecided":
             head = self._held.lstrip()
@@ -246,23 +278,6 @@ class ToolCallStream:
             cut = len(self._held) - keep
             content, self._held = self._held[:cut], self._held[cut:]
         return [{"content": content}] if content else []
-
-    def _finish(self) -> list[dict[str, Any]]:
-        if self.plan.mode == "named":
-            content, calls = self.plan.parse(self._text)
-            if calls:
-                self._state = "calls"
-            return []
-        content, calls = self.plan.parse(self._held)
-        self._held = ""
-        deltas: list[dict[str, Any]] = [{"content": content}] if content else []
-        if calls:
-            self._state = "calls"
-            deltas += [{"tool_calls": [{"index": i, "id": call.id, "type": "function",
-                                        "function": {"name": call.function.name,
-                                                     "arguments": call.function.arguments}}]}
-                       for i, call in enumerate(calls)]
-        return deltas
 
 
 # ---- the prompt -------------------------------------------------------------------------
