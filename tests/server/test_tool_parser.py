@@ -85,7 +85,7 @@ def test_plan_refuses_bad_tools(fields: dict[str, Any], param: str) -> None:
     ({"tool_choice": {"type": "function"}}, "tool_choice"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"functions": [{"name": "f"}]}, "functions"),
-    ({"function_call": "auto"}, "function_call"),
+    ({"function_call": {"name": "f"}}, "function_call"),
     ({"messages": [{"role": "tool", "content": "1"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),

@@ -252,7 +252,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Any = None  # "none" | "auto" | "required" | NamedToolChoice, by _check_tool_choice
     parallel_tool_calls: bool | None = None
-    function_call: Any = None  # legacy: refused in check()
+    function_call: Any = None  # legacy: refused in check() unless "none" or "auto"
 
     @field_validator("tool_choice")
     @classmethod
@@ -270,7 +270,7 @@ class ChatCompletionRequest(SamplingFields):
         self.check_stream_options()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.function_call is not None:
+        if self.function_call not in (None, "none", "auto"):  # without `functions`, those two change nothing
             raise bad_request("function_call: legacy function calling is not supported; use tools and tool_choice",
                               "function_call")
         for index, message in enumerate(self.messages):
