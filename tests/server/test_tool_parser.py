@@ -136,6 +136,8 @@ def test_forced_outputs_parse_or_fall_back_to_content() -> None:
     ('<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>', "same", []),  # not an object
     ('<tool_call>{"name": "get_time", "argu', "same", []),
     ('{"city": "Paris"}', "same", []),  # JSON, but not a call
+    ('{"name": ["get_time"], "arguments": {}}', "same", []),
+    ("[" * 100_000, "same", []),
     ("It is sunny in Paris.", "same", []),
     ("", "same", []),
 ])

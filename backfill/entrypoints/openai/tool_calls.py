@@ -143,7 +143,7 @@ def _json_value(text: str) -> Any:
     """`text` as one JSON value (surrounding whitespace allowed), or None."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # NOTE: "[[[[..." deeper than the stack is model output too
         return None
 
 
@@ -152,7 +152,7 @@ def _calls(items: list[Any], schemas: dict[str, dict[str, Any]], *keys: str) -> 
     the first of `keys` present (a JSON string of an object counts); None if any is not one."""
     calls = []
     for item in items:
-        if not isinstance(item, dict) or item.get("name") not in schemas:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or item["name"] not in schemas:
             return None
         key = next((key for key in keys if key in item), None)
         arguments = item.get(key) if key else None
@@ -247,7 +247,7 @@ class ToolCallStream:
             start = len(self._held) - len(self._held[self._scan:].lstrip(" \n\t[,"))
             try:
                 item, end = _DECODER.raw_decode(self._held, start)
-            except ValueError:
+            except (ValueError, RecursionError):
                 break
             calls = _calls([item], self.plan.schemas, "parameters")
             if not calls:
