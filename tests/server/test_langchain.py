@@ -10,12 +10,11 @@ format instructions, so that count is asserted against a floor and printed, not 
 
 from __future__ import annotations
 
+import langchain_openai
 import pytest
 from pydantic import BaseModel, Field, ValidationError
 
 from tests.server.harness import API_KEY, MODEL, ServerProcess
-
-langchain_openai = pytest.importorskip("langchain_openai")
 
 NUM_ANSWERS = 50
 NAMES = ["Alice", "Bob", "Carla", "Dmitri", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jamal"]
