@@ -84,8 +84,11 @@ class StrictModel(BaseModel):
 
 
 def is_set(value: Any) -> bool:
-    """Whether a field that can only be refused was given a value that asks for something."""
-    return value is not None and value is not False and value not in ("", [], {})
+    """Whether a field that can only be refused was given a value that asks for something.
+
+    NOTE: `{}` asks (OpenAI's `web_search_options: {}` turns web search on); `[]` does not.
+    """
+    return value is not None and value is not False and not (isinstance(value, (str, list)) and not value)
 
 
 def refuse_if_set(reasons: dict[str, str], value: Any, info: ValidationInfo) -> Any:
