@@ -86,7 +86,7 @@ REFUSED: list[tuple[str, str, dict[str, Any], str]] = [
     ("template-kwargs-not-object", CH, chat(chat_template_kwargs=["x"]), "chat_template_kwargs"),
     # Utility endpoints.
     ("tokenize-both", "/tokenize", {"prompt": "a", "messages": QUESTION}, "messages"),
-    ("tokenize-neither", "/tokenize", {}, "messages"),
+    ("tokenize-neither", "/tokenize", {}, "prompt"),
     ("tokenize-chat-special", "/tokenize", {"messages": QUESTION, "add_special_tokens": True}, "add_special_tokens"),
     ("detokenize-out-of-vocab", "/detokenize", {"tokens": [1, 10_000_000]}, "tokens"),
     ("detokenize-negative", "/detokenize", {"tokens": [-1]}, "tokens"),

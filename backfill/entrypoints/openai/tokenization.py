@@ -56,8 +56,10 @@ class TokenizationServing:
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         serving = self.serving
         serving.check_model(request.model)
-        if (request.prompt is None) == (request.messages is None):
-            raise bad_request("give exactly one of prompt and messages", "prompt" if request.prompt else "messages")
+        if request.prompt is not None and request.messages is not None:
+            raise bad_request("messages: give a prompt or messages, not both", "messages")
+        if request.prompt is None and request.messages is None:
+            raise bad_request("prompt: give a prompt (text) or messages (a conversation)", "prompt")
         if request.messages is not None:
             if request.add_special_tokens:
                 raise bad_request("add_special_tokens: the chat template writes the special tokens of a "
