@@ -7,7 +7,7 @@ does on trouble:
 - invalid input, unknown fields that matter   -> 400 `invalid_request_error` naming `param`
 - missing or wrong API key on /v1/*, /tokenize, /detokenize -> 401 (keys compared in constant time)
 - unknown model or route                      -> 404; waiting queue at --max-queue -> 429
-- draining after SIGTERM                      -> 503 with Retry-After on /v1/* and /health
+- draining after SIGTERM                      -> 503 with Retry-After on GATED_PATHS and /health
 - more sequences than --max-seqs-per-request  -> 400 naming `prompt` or `n`, before tokenizing
 A client that disconnects aborts its request: SSE responses when the send fails or the
 disconnect message arrives, non-streaming ones through a watcher task racing the handler.

@@ -91,10 +91,16 @@ def is_set(value: Any) -> bool:
     return value is not None and value is not False and not (isinstance(value, (str, list)) and not value)
 
 
-def refuse_if_set(reasons: dict[str, str], value: Any, info: ValidationInfo) -> Any:
-    if is_set(value):
-        raise ValueError(reasons[info.field_name or ""])
-    return value
+def refusing(reasons: dict[str, str]) -> Any:
+    """A field validator for a model's class body: each field of `reasons` (declared `Any = None`)
+    is a 400 naming it, with its reason, when it is set. Give each class's its own name."""
+
+    def refuse(cls: type, value: Any, info: ValidationInfo) -> Any:
+        if is_set(value):
+            raise ValueError(reasons[info.field_name or ""])
+        return value
+
+    return field_validator(*reasons)(refuse)
 
 
 class ResponseModel(BaseModel):
@@ -146,11 +152,8 @@ class StructuredOutputsFields(StrictModel):
     whitespace_pattern: Any = None
     structural_tag: Any = None
 
-    @field_validator("whitespace_pattern", "structural_tag")
-    @classmethod
-    def _refuse(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_if_set({"whitespace_pattern": UNSUPPORTED_FIELDS["guided_whitespace_pattern"],
-                              "structural_tag": UNSUPPORTED_FIELDS["structural_tag"]}, value, info)
+    _refuse_unsupported_outputs = refusing({"whitespace_pattern": UNSUPPORTED_FIELDS["guided_whitespace_pattern"],
+                                            "structural_tag": UNSUPPORTED_FIELDS["structural_tag"]})
 
     def constraint(self) -> tuple[str, dict[str, Any]]:
         fields = self.model_dump(by_alias=True, include={"json_schema", "regex", "choice", "grammar", "json_object"},
@@ -215,10 +218,7 @@ class SamplingFields(StrictModel):
     structural_tag: Any = None
     return_tokens_as_token_ids: Any = None
 
-    @field_validator(*UNSUPPORTED_FIELDS)
-    @classmethod
-    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_if_set(UNSUPPORTED_FIELDS, value, info)
+    _refuse_unsupported = refusing(UNSUPPORTED_FIELDS)
 
     @field_validator("guided_decoding_backend")
     @classmethod
@@ -394,10 +394,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     verbosity: Any = None
     web_search_options: Any = None
 
-    @field_validator(*UNSUPPORTED_CHAT_FIELDS)
-    @classmethod
-    def _refuse_unsupported_chat(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_if_set(UNSUPPORTED_CHAT_FIELDS, value, info)
+    _refuse_unsupported_chat = refusing(UNSUPPORTED_CHAT_FIELDS)
 
     def check(self) -> None:
         self.check_stream_options()

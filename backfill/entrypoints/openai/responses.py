@@ -21,12 +21,12 @@ import uuid
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, field_validator
 
 from backfill.engine.async_engine import EngineError, RequestStream
 from backfill.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, ChatMessage, JSONSchemaFormat,
                                                   ResponseFormat, ResponseModel, StrictModel, UsageInfo,
-                                                  refuse_if_set)
+                                                  refusing)
 from backfill.entrypoints.openai.serving import OpenAIServing, SSEStream, engine_error
 
 # Responses API fields that would change the result and that this server does not honour.
@@ -100,10 +100,7 @@ class ResponsesRequest(StrictModel):
     top_logprobs: Any = None
     context_management: Any = None
 
-    @field_validator(*UNSUPPORTED_RESPONSE_FIELDS)
-    @classmethod
-    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_if_set(UNSUPPORTED_RESPONSE_FIELDS, value, info)
+    _refuse_unsupported_response = refusing(UNSUPPORTED_RESPONSE_FIELDS)
 
     @field_validator("input")
     @classmethod
