@@ -126,6 +126,13 @@ def test_include_stop_str_in_output(server: ServerProcess) -> None:
     assert "".join(c["choices"][0]["text"] for c in chunks) == cut + stop
 
 
+def test_skip_special_tokens(server: ServerProcess) -> None:
+    end = tokenize(server, prompt="<|im_end|>", add_special_tokens=False)["tokens"]
+    body = completion(max_tokens=2, temperature=0, ignore_eos=True, logit_bias={str(end[0]): 100})
+    assert post(server, C, body).json()["choices"][0]["text"] == ""
+    assert post(server, C, {**body, "skip_special_tokens": False}).json()["choices"][0]["text"] == "<|im_end|>" * 2
+
+
 def tokenize(server: ServerProcess, **body: Any) -> dict[str, Any]:
     response = post(server, "/tokenize", body)
     assert response.status_code == 200, response.text

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.harness import API_KEY, MODEL, ServerProcess
+from tests.server.harness import API_KEY, MODEL, ServerProcess, engine_idle, wait_until
 
 QUESTION = "What is the capital of France?"
 STREAM_ORDER = ["response.created", "response.in_progress", "response.output_item.added",
@@ -94,6 +94,17 @@ def test_raw_stream_framing(server: ServerProcess) -> None:
     for event_line, data_line in zip(lines[0::2], lines[1::2]):
         kind = event_line.removeprefix("event: ")
         assert json.loads(data_line.removeprefix("data: "))["type"] == kind
+
+
+def test_a_stream_the_client_leaves_is_aborted(server: ServerProcess) -> None:
+    body = {"model": MODEL, "input": "Write a very long story about a dragon.", "max_output_tokens": 4000,
+            "stream": True}
+    with httpx.stream("POST", server.v1 + "/responses", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        for line in response.iter_lines():
+            if line == "event: response.output_text.delta":
+                break
+    assert wait_until(lambda: engine_idle(server), timeout=60)
 
 
 def test_text_format_json_schema(client: openai.OpenAI) -> None:
