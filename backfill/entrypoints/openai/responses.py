@@ -16,6 +16,7 @@ max_output_tokens cut the text). An engine failure mid-stream ends it with an `e
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -201,8 +202,7 @@ def rename_error(error: APIError) -> APIError:
     """An error of the chat path, naming the Responses request's field instead."""
     if error.param is None:
         return error
-    head, dot, rest = error.param.partition(".")
-    key = error.param if error.param in _PARAM_RENAMES else head.split("[")[0]
+    key = error.param if error.param in _PARAM_RENAMES else re.split(r"[.\[]", error.param)[0]
     if key not in _PARAM_RENAMES:
         return error
     param = _PARAM_RENAMES[key] + error.param[len(key):]
@@ -260,7 +260,8 @@ class ResponsesServing:
             return value.model_dump(mode="json")
 
         where = {"item_id": message_id, "output_index": 0, "content_index": 0}
-        text, finish_reason, num_tokens = "", None, 0
+        deltas: list[str] = []
+        finish_reason, num_tokens = None, 0
         try:
             yield event("response.created", response=response(base))
             yield event("response.in_progress", response=response(base))
@@ -271,8 +272,9 @@ class ResponsesServing:
                 completion = output.outputs[0]
                 num_tokens, finish_reason = len(completion.token_ids), completion.finish_reason
                 if completion.delta_text:
-                    text += completion.delta_text
+                    deltas.append(completion.delta_text)
                     yield event("response.output_text.delta", **where, delta=completion.delta_text, logprobs=[])
+            text = "".join(deltas)
             final = finish(text, finish_reason, num_tokens)
             part = final.output[0].content[0].model_dump(mode="json")
             yield event("response.output_text.done", **where, text=text, logprobs=[])
