@@ -9,6 +9,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from tests.server.harness import API_KEY, MODEL, ServerProcess, engine_idle, wait_until
 
@@ -85,15 +87,21 @@ def test_stream_events_in_openai_order(client: openai.OpenAI, max_output_tokens:
         assert whole.output_text == done.output_text
 
 
-def test_raw_stream_framing(server: ServerProcess) -> None:
-    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "stream": True}
-    with httpx.stream("POST", server.v1 + "/responses", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+def test_raw_json_validates_against_the_sdk_models(server: ServerProcess) -> None:
+    """The client builds its objects without validation; the SDK's models, validating, must
+    accept every object and event as sent (each required field present, with its type)."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2}
+    whole = httpx.post(server.v1 + "/responses", json=body, headers=headers, timeout=60).json()
+    Response.model_validate(whole)
+    with httpx.stream("POST", server.v1 + "/responses", json={**body, "stream": True}, timeout=60,
+                      headers=headers) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in response.iter_lines() if line]
+    assert len(lines) % 2 == 0
     for event_line, data_line in zip(lines[0::2], lines[1::2]):
-        kind = event_line.removeprefix("event: ")
-        assert json.loads(data_line.removeprefix("data: "))["type"] == kind
+        event = TypeAdapter(ResponseStreamEvent).validate_python(json.loads(data_line.removeprefix("data: ")))
+        assert event_line == f"event: {event.type}"
 
 
 def test_a_stream_the_client_leaves_is_aborted(server: ServerProcess) -> None:
