@@ -2,9 +2,9 @@
 
 from backfill.config import EngineConfig
 from backfill.outputs import CompletionOutput, RequestOutput
-from backfill.sampling_params import SamplingParams
+from backfill.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

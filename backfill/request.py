@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from backfill.sampling_params import SamplingParams
 
@@ -55,6 +56,9 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
+    # Constrained decoding (backfill.structured_output.Grammar: `ready`, `error`, `accept(token)`,
+    # `terminated`); None: unconstrained. Not admitted before it is ready.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -109,6 +113,9 @@ class Request:
             if last in self.params.stop_token_id_set:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, last
                 return True
+        if self.grammar is not None and self.grammar.terminated:  # the output is complete
+            self.finish_reason, self.stop_reason = FinishReason.STOP, None
+            return True
         if self.num_output_tokens >= self.max_output_tokens:
             self.finish_reason = FinishReason.LENGTH
             return True

@@ -9,6 +9,7 @@ torch where it is installed.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ class Tokenizer:
         self.bos_token_id: int | None = None if hf.bos_token_id is None else int(hf.bos_token_id)
         self.chat_template: str | None = getattr(hf, "chat_template", None)
         self._chat_encoder: _ChatEncoder | None = None  # built on first use (copies the backend)
+        self._reserved_template_kwargs: frozenset[str] | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
@@ -50,21 +52,30 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return list(self.hf.convert_ids_to_tokens(ids))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: dict[str, Any] | None = None,
                             tools: list[dict] | None = None) -> str:
-        """Render a chat as prompt text with the model's template; `tools` (OpenAI-format
-        function tools) are the template's `tools` variable, as transformers passes them.
+        """Render a chat as prompt text with the model's template.
 
-        Raises ValueError("messages: ...") when the messages are malformed, the model has no
-        chat template, or the template rejects them.
+        `continue_final_message`: leave the last message open (no end-of-turn after it), for the
+        model to continue it; needs `add_generation_prompt=False`. `chat_template_kwargs`: extra
+        variables the template sees (keys may not be the template's own inputs: `messages`, ...).
+        `tools`: OpenAI-format function tools, the template's `tools` variable (as transformers
+        passes them). Raises ValueError("messages: ...") when the messages are malformed, the
+        model has no chat template, or the template rejects them; ValueError("chat_template_kwargs:
+        ...") for a reserved key.
         """
         _check_messages(messages)
+        kwargs = self._check_template_kwargs(chat_template_kwargs)
         if not self.chat_template:
             raise ValueError("messages: this model has no chat template; use a plain prompt")
+        if tools:
+            kwargs = {**kwargs, "tools": tools}
         try:
-            extra = {"tools": tools} if tools else {}
             text = self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **kwargs,
             )
         except Exception as exc:  # jinja2 TemplateError, or the template's own raise_exception
             raise ValueError(f"messages: the chat template rejected them: {exc}") from exc
@@ -72,20 +83,41 @@ class Tokenizer:
             raise ValueError(f"messages: the chat template returned {type(text).__name__}, not text")
         return text
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None,
                     tools: list[dict] | None = None) -> tuple[str, list[int]]:
         """The chat as prompt text and token ids, where only the template's own markers are
         special tokens: a message's text is encoded as the plain characters it is made of.
 
         So content such as "hi<|im_end|><|im_start|>system ..." cannot close its turn and forge
-        another (chat-template injection), for any role and any special token. The ids equal
+        another (chat-template injection), for any role and any special token; nor can a value
+        in `chat_template_kwargs` or the text of `tools`. The ids equal
         `encode(apply_chat_template(messages), add_special_tokens=False)` whenever no message
-        contains special-token text; the same holds for the text of `tools`. Raises
-        ValueError("messages: ...") as `apply_chat_template`.
+        contains special-token text. Raises ValueError as `apply_chat_template`.
         """
         if self._chat_encoder is None:
             self._chat_encoder = _ChatEncoder(self.hf)
-        return self._chat_encoder.encode(self, messages, add_generation_prompt, tools)
+        return self._chat_encoder.encode(self, messages, add_generation_prompt,
+                                         continue_final_message=continue_final_message,
+                                         chat_template_kwargs=chat_template_kwargs, tools=tools)
+
+    def _check_template_kwargs(self, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        if kwargs is None:
+            return {}
+        if not isinstance(kwargs, dict):
+            raise ValueError("chat_template_kwargs: must be an object")
+        if self._reserved_template_kwargs is None:
+            # NOTE: transformers' own parameters (tokenize, chat_template, ...) would change what
+            # apply_chat_template does, not only what the template sees.
+            parameters = inspect.signature(self.hf.apply_chat_template).parameters
+            self._reserved_template_kwargs = frozenset(
+                {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"}
+                | {name for name, p in parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD})
+        reserved = sorted(key for key in kwargs if key in self._reserved_template_kwargs or not isinstance(key, str))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: may not set {', '.join(map(str, reserved))}")
+        return kwargs
 
     @property
     def all_special_ids(self) -> list[int]:
@@ -131,10 +163,14 @@ class _ChatEncoder:
             backend.no_truncation()
             backend.no_padding()
 
-    def encode(self, tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool,
+    def encode(self, tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool, *,
+               continue_final_message: bool = False,
+               chat_template_kwargs: dict[str, Any] | None = None,
                tools: list[dict] | None = None) -> tuple[str, list[int]]:
+        options: dict[str, Any] = {"continue_final_message": continue_final_message,
+                                   "chat_template_kwargs": chat_template_kwargs, "tools": tools}
         if self.special_pattern is None or self.marker_pattern is None:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt, **options)
             return text, tokenizer.encode(text, add_special_tokens=False)
         nonce = secrets.token_hex(8)
         index = {token: i for i, token in enumerate(self.specials)}
@@ -152,7 +188,9 @@ class _ChatEncoder:
         def reveal(text: str) -> str:
             return placeholder.sub(lambda m: self.specials[int(m.group(1))], text)
 
-        rendered = tokenizer.apply_chat_template(hide(messages), add_generation_prompt, hide(tools))
+        options["chat_template_kwargs"] = hide(chat_template_kwargs)
+        options["tools"] = hide(tools)
+        rendered = tokenizer.apply_chat_template(hide(messages), add_generation_prompt, **options)
         pieces: list[str] = []  # text, marker, text, marker, ..., text
         start = 0
         for match in self.marker_pattern.finditer(rendered):

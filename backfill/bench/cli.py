@@ -1,4 +1,4 @@
-"""`backfill bench ...`: workload | serve | offline | compare | roofline.
+"""`backfill bench ...`: workload | serve | offline | compare | roofline | structured.
 
 The `backfill` CLI calls `add_bench_subparser` and `run_bench`; `python -m backfill.bench.cli`
 runs the same commands on their own. Heavy imports (torch, the engine) happen inside the
@@ -146,6 +146,14 @@ def add_bench_subparser(subparsers: Any) -> None:
     _add_engine_arguments(compare, exclude=("policy", "static_padding", "max_num_seqs", "seed"))
     _add_common_report_arguments(compare)
     _add_spec_arguments(compare)
+
+    structured = commands.add_parser("structured", help="constrained decoding's cost: a batch with and without JSON schemas")
+    structured.add_argument("--batch-size", type=int, default=32)
+    structured.add_argument("--max-tokens", type=int, default=128)
+    structured.add_argument("--fraction", type=float, default=0.5, help="share of the batch constrained")
+    structured.add_argument("--repeats", type=int, default=3)
+    structured.add_argument("--result-file", default=None)
+    _add_engine_arguments(structured, exclude=("policy", "static_padding", "max_num_seqs"))
 
     roofline = commands.add_parser("roofline", help="measure this machine's limits and the ideal decode step")
     roofline.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -362,11 +370,26 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_structured(args: argparse.Namespace) -> int:
+    from backfill.bench.offline import make_engine
+    from backfill.bench.roofline import describe_host
+    from backfill.bench.structured import format_structured, run_structured_bench
+
+    _set_threads(args)
+    if not 0 < args.fraction <= 1:
+        raise ValueError(f"--fraction must be in (0, 1], got {args.fraction}")
+    engine = make_engine(EngineConfig.from_cli_args(args, max_num_seqs=args.batch_size))
+    result = run_structured_bench(engine, args.batch_size, args.max_tokens, args.fraction, args.repeats)
+    print(format_structured(result))
+    _write_json(_result_path(args, "structured"), {"host": describe_host(), **result})
+    return 0
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the `bench` sub-command chosen in `args`; returns the process exit code."""
     handlers = {
         "workload": _cmd_workload, "serve": _cmd_serve, "offline": _cmd_offline,
-        "compare": _cmd_compare, "roofline": _cmd_roofline,
+        "compare": _cmd_compare, "roofline": _cmd_roofline, "structured": _cmd_structured,
     }
     try:
         if getattr(args, "plot", False):

@@ -309,10 +309,12 @@ class Scheduler:
         the first of the group running the fewest sequences (ties: queue order). Static: the
         first member of the current batch (new arrivals wait for the next batch)."""
         if self.policy == "static":
-            return next((r for r in self.waiting if r.request_id in self._batch_request_ids), None)
-        if not self.waiting:
+            return next((r for r in self.waiting if r.request_id in self._batch_request_ids and _ready(r)), None)
+        # NOTE: a request whose grammar is still compiling is passed over (a few at most: a
+        # compile takes milliseconds), so a slow compile holds back only its own request.
+        head = next((r for r in self.waiting if _ready(r)), None)
+        if head is None:
             return None
-        head = self.waiting[0]
         best = head
         seen: set[str] = set()
         # NOTE: only a group's first waiting request can win, so the scan stops once it has
@@ -320,7 +322,8 @@ class Scheduler:
         for request in self.waiting:
             if self._num_running(best) == 0 or len(seen) == len(self._num_waiting_by_group):
                 break
-            if request.group_id in seen or self._effective_priority(request) != self._effective_priority(head):
+            if (request.group_id in seen or self._effective_priority(request) != self._effective_priority(head)
+                    or not _ready(request)):
                 continue
             seen.add(request.group_id)
             if self._num_running(request) < self._num_running(best):
@@ -435,8 +438,16 @@ class Scheduler:
             self.kv_cache_manager.cache_computed_blocks(request)  # the step wrote these blocks' K/V
             if not scheduled.sample:
                 continue
-            request.append_output_token(sampled_token_ids[scheduled.request_id], now)
+            token_id = sampled_token_ids[scheduled.request_id]
+            request.append_output_token(token_id, now)
             changed.append(request)
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                # The step's mask allows only what the grammar accepts: this is a defect.
+                logger.error("request %s: the grammar rejected sampled token %d", request.request_id, token_id)
+                request.finish_reason = FinishReason.ABORT
+                self._leave_running(request)
+                self._finish(request, now)
+                continue
             if request.check_stop():
                 self._leave_running(request)
                 self._finish(request, now)
@@ -525,6 +536,11 @@ class Scheduler:
         slot = self._slot_by_request_id.pop(request_id, None)
         if slot is not None:
             self._slots[slot] = None
+
+
+def _ready(request: Request) -> bool:
+    """Whether a waiting request may be admitted: unconstrained, or its grammar is compiled."""
+    return request.grammar is None or bool(request.grammar.ready)
 
 
 def _count(counts: dict[str, int], key: str, delta: int) -> None:

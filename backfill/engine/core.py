@@ -9,6 +9,7 @@ it in a process of its own (`core_process.py`).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterable
@@ -18,9 +19,16 @@ from backfill.core.outputs import ModelRunnerOutput, SchedulerOutput, StepStats
 from backfill.core.scheduler import Scheduler
 from backfill.engine.messages import CoreInfo, CoreLoad, EngineCoreOutput, EngineCoreRequest
 from backfill.request import FinishReason, Request
+from backfill.structured_output.manager import Grammar, GrammarBitmask, StructuredOutputManager
+from backfill.tokenizer import load_tokenizer
 from backfill.worker.model_runner import ModelRunner
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# With nothing to run but requests whose grammar compiles, a step waits this long for a compile
+# (new inputs wait at most this long too) instead of spinning.
+COMPILE_WAIT_S = 0.005
 
 
 class EngineCore:
@@ -41,6 +49,10 @@ class EngineCore:
             scheduling_policy=config.scheduling_policy,
         )
         self._prefix_cache_seen = (0, 0)  # the scheduler's (queries, hits) totals at the last step
+        self.structured_output = StructuredOutputManager(lambda: load_tokenizer(config.model),
+                                                         self.info.vocab_size)
+        self._grammars: dict[str, Grammar] = {}  # constrained sequences not yet finished
+        self._compiling: dict[str, Grammar] = {}  # ... whose grammar is not compiled yet
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a sequence the front end validated (ids in the vocabulary, lengths that fit).
@@ -50,6 +62,10 @@ class EngineCore:
         deadline = request.deadline
         if deadline is None and self.config.request_timeout is not None:
             deadline = request.arrival_time + self.config.request_timeout
+        grammar = None
+        if request.params.structured_outputs is not None:  # compiles in the background
+            grammar = self.structured_output.grammar(request.params.structured_outputs)
+            self._grammars[request.request_id] = self._compiling[request.request_id] = grammar
         self.scheduler.add_request(Request(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -60,6 +76,7 @@ class EngineCore:
             arrival_time=request.arrival_time,
             group_id=request.group_id,
             deadline=deadline,
+            grammar=grammar,
         ))
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -74,14 +91,42 @@ class EngineCore:
         """Schedule, run the model, sample, apply stops. One output per sequence that got a
         token this step (a prompt's chunks before its last give none)."""
         start = time.monotonic()
+        failed = self._poll_grammars()
         scheduler_output = self.scheduler.schedule()
         slot_states = self.scheduler.slot_states()
-        runner_output = self.runner.execute(scheduler_output)
+        if scheduler_output.is_empty and self._compiling:
+            next(iter(self._compiling.values())).wait(COMPILE_WAIT_S)
+        runner_output = self.runner.execute(scheduler_output, self._grammar_bitmask(scheduler_output))
         now = time.monotonic()
         changed = self.scheduler.update_from_output(scheduler_output, runner_output, now)
-        outputs = _timed_out(scheduler_output.timed_out_request_ids, now)
+        outputs = _ended(scheduler_output.timed_out_request_ids, FinishReason.TIMEOUT, now)
+        outputs += _ended(failed, FinishReason.ABORT, now)
         outputs += _outputs(changed, runner_output, now, self.scheduler.num_steps)
+        if self._grammars:
+            for request_id in [r for r in self._grammars if self.scheduler.get_request(r) is None]:
+                del self._grammars[request_id]
         return outputs, self._stats(start, scheduler_output, slot_states)
+
+    def _poll_grammars(self) -> list[str]:
+        """Mark finished compiles; end (ABORT) the sequences whose grammar failed to compile.
+        The front ends check grammars before queuing them, so this is a last resort."""
+        failed = []
+        for request_id, grammar in list(self._compiling.items()):
+            if grammar.poll():
+                del self._compiling[request_id]
+                if grammar.error is not None:
+                    logger.error("request %s: %s", request_id, grammar.error)
+                    failed.append(request_id)
+        self.scheduler.finish_requests(failed, FinishReason.ABORT)
+        return failed
+
+    def _grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:
+        """The allowed tokens of the constrained sequences that sample this step."""
+        if not self._grammars:
+            return None
+        rows = [(item.request_id, grammar) for item in scheduler_output.scheduled
+                if item.sample and (grammar := self._grammars.get(item.request_id)) is not None]
+        return self.structured_output.bitmask(rows)
 
     def load(self) -> CoreLoad:
         kv = self.scheduler.kv_cache_manager
@@ -126,10 +171,11 @@ class EngineCore:
         )
 
 
-def _timed_out(request_ids: list[str], now: float) -> list[EngineCoreOutput]:
-    """The ends of sequences whose deadline passed before the step: no token, reason "timeout"."""
+def _ended(request_ids: list[str], reason: FinishReason, now: float) -> list[EngineCoreOutput]:
+    """The ends of sequences the core finished before the step, with no token: "timeout" (the
+    deadline passed) or "abort" (the grammar failed to compile)."""
     return [EngineCoreOutput(request_id=request_id, new_token_ids=[], token_time=now,
-                             finish_reason=FinishReason.TIMEOUT.value) for request_id in request_ids]
+                             finish_reason=reason.value) for request_id in request_ids]
 
 
 def _outputs(changed: list[Request], runner_output: ModelRunnerOutput, now: float,

@@ -73,7 +73,9 @@ def make_engine_core(config: EngineConfig) -> CoreLike:
     `CoreProcess`); torch is imported in the core process only."""
     from backfill.engine.core import EngineCore
 
-    return EngineCore(config)
+    core = EngineCore(config)
+    core.structured_output.warm_up()  # the grammar engine's tokenizer loads while the core idles
+    return core
 
 
 # ---- child side ------------------------------------------------------------------------------

@@ -71,6 +71,8 @@ class LLMEngine:
         """
         if request_id in self.output_processor:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if params.structured_outputs is not None:  # a grammar that cannot compile is refused here
+            self.core.structured_output.check(params.structured_outputs)
         request = self.processor.process(request_id, prompt, params, arrival_time or time.monotonic(),
                                          priority=priority, group_id=group_id, deadline=deadline)
         self.output_processor.add(request)

@@ -1,9 +1,10 @@
 """Grammar source -> llguidance matcher: compiled once per distinct grammar, cached.
 
-llguidance was chosen over xgrammar by measurement on this project's machines
-(`BENCHMARKS.md`, "Structured output"): it installs as one wheel with no dependencies (xgrammar
-pulls triton, ~290 MB, on Linux), compiles the schemas we tried 3-15x faster (1-2 ms against
-5-22 ms), and its per-token mask (~40 us a row) is a small fraction of a CPU decode step.
+llguidance was chosen over xgrammar by measurement (`python -m backfill.bench.grammar_engines`,
+figures in `BENCHMARKS.md`, "Structured output"): it installs as one wheel with no dependencies
+(xgrammar pulls triton, ~290 MB, on Linux) and compiles schemas ~10x faster (2-5 ms against
+19-27 ms); xgrammar's mask is faster (5 against 21 us a row), but at 16 constrained rows that is
+0.3 ms of a ~60 ms CPU decode step.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ if TYPE_CHECKING:
 # cannot loop on spaces or newlines between tokens until max_tokens (a common failure of
 # unconstrained-whitespace JSON grammars with small models).
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-DEFAULT_CACHE_SIZE = 256
+# Compiled grammars kept (LRU): each holds its lexer states, built lazily as tokens arrive
+# (llguidance bounds them: at most 250k states of ~1-2 kB per grammar).
+DEFAULT_CACHE_SIZE = 64
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from backfill.model.loader import load_model, load_stored_weights, resolve_dtype
 from backfill.model.prepack import prepack_supported
 from backfill.worker.input_batch import build_batch
 from backfill.worker.sampler import Sampler
+
+if TYPE_CHECKING:
+    from backfill.structured_output.manager import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +137,10 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: forward over every scheduled token, sample where `sample` is set."""
+    def execute(self, scheduler_output: SchedulerOutput,
+                grammar_bitmask: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        """Run one step: forward over every scheduled token, sample where `sample` is set
+        (within `grammar_bitmask` for the constrained sequences)."""
         for request_id in scheduler_output.finished_request_ids:
             self.sampler.remove_request(request_id)
         for item in scheduler_output.scheduled:
@@ -153,7 +159,8 @@ class ModelRunner:
         if not batch.sample_request_ids:  # only partial prompt chunks (and padding) this step
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
         num_sample = len(batch.sample_request_ids)
-        sampled = self.sampler.sample(batch.sample_request_ids, logits[:num_sample])  # padding rows dropped
+        sampled = self.sampler.sample(batch.sample_request_ids, logits[:num_sample],  # padding rows dropped
+                                      grammar_bitmask)
         return ModelRunnerOutput(
             request_ids=batch.sample_request_ids,
             sampled_token_ids=sampled.token_ids,

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from backfill.core.outputs import TokenLogprobs
 from backfill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from backfill.structured_output.manager import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +99,7 @@ class Sampler:
         self._output_counts = torch.zeros((0, vocab_size), dtype=torch.int32, device=self.device)  # [slots, V]
         self._prompt_mask = torch.zeros((0, vocab_size), dtype=torch.bool, device=self.device)  # [slots, V]
         self._free_slots: list[int] = []
+        self._bit_shifts: torch.Tensor | None = None  # [32] int32, unpacks grammar bitmasks
 
     @property
     def num_requests(self) -> int:
@@ -141,11 +146,13 @@ class Sampler:
         self._plan = None
 
     @torch.inference_mode()
-    def sample(self, request_ids: list[str], logits: torch.Tensor) -> SamplerOutput:
+    def sample(self, request_ids: list[str], logits: torch.Tensor,
+               grammar_bitmask: GrammarBitmask | None = None) -> SamplerOutput:
         """Pick one token per row and append it to that request's history.
 
         `logits` [S, V] holds one row per id in `request_ids` (all added before); it is not
-        modified. Results are in row order.
+        modified. Results are in row order. The rows of `grammar_bitmask` (constrained requests)
+        may only pick the tokens their row allows.
         """
         assert logits.dim() == 2 and logits.shape == (len(request_ids), self.vocab_size), (
             f"logits {tuple(logits.shape)} for {len(request_ids)} requests, vocab {self.vocab_size}"
@@ -155,6 +162,8 @@ class Sampler:
         logits = logits.float()  # [S, V]
         plan = self._plan_for(request_ids)
         processed = self._process(plan, logits)  # [S, V]
+        if grammar_bitmask is not None:
+            processed = self._apply_grammar(request_ids, logits, processed, grammar_bitmask)
         if plan.all_greedy:
             tokens = processed.argmax(dim=-1)  # [S]
         else:
@@ -291,6 +300,22 @@ class Sampler:
             ids_t = torch.tensor(mask_ids, dtype=torch.long, device=self.device)  # [M]
             logits[rows_t, ids_t] = float("-inf")
         return logits
+
+    def _apply_grammar(self, request_ids: list[str], logits: torch.Tensor, processed: torch.Tensor,
+                       grammar_bitmask: GrammarBitmask) -> torch.Tensor:
+        """-inf on every token a constrained row's grammar does not allow (after penalties and
+        biases, so they only reorder allowed tokens; before temperature, top-k/p, min-p)."""
+        row_of = {request_id: row for row, request_id in enumerate(request_ids)}
+        rows = torch.tensor([row_of[r] for r in grammar_bitmask.request_ids], dtype=torch.long,
+                            device=self.device)  # [R]
+        words = grammar_bitmask.bitmask.to(self.device, non_blocking=True)  # [R, W] int32
+        if self._bit_shifts is None or self._bit_shifts.device != words.device:
+            self._bit_shifts = torch.arange(32, dtype=torch.int32, device=words.device)  # [32]
+        allowed = ((words.unsqueeze(-1) >> self._bit_shifts) & 1).flatten(1)[:, : self.vocab_size]  # [R, V]
+        if processed is logits:
+            processed = logits.clone()  # [S, V]
+        processed[rows] = processed[rows].masked_fill(allowed == 0, float("-inf"))
+        return processed
 
     def _sample_random(self, plan: _BatchPlan, logits: torch.Tensor) -> torch.Tensor:
         assert plan.temperature is not None

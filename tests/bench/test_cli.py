@@ -59,3 +59,14 @@ def test_roofline_command_with_measured_steps(tmp_path: Path) -> None:
     assert all(r["measured_ms"] > 0 and r["ideal_ms"] > 0 for r in data["rows"])
     assert data["machine"]["read_gbps"] > 0 and data["machine"]["matmul_gflops"]["float32"] > 0
     assert "| batch | context | ideal step (ms) |" in proc.stdout and data["host"]["num_cpus"] >= 1
+
+
+def test_structured_command_runs_equal_work_with_and_without_grammars(tmp_path: Path) -> None:
+    out = tmp_path / "structured.json"
+    proc = _bench("structured", "--batch-size", "4", "--max-tokens", "12", "--repeats", "1", "--dtype", "float32",
+                  "--result-file", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    # every request makes exactly max_tokens tokens in both runs: the grammar never ends one early
+    assert data["output_tokens_per_run"] == [4 * 12, 4 * 12]
+    assert data["mask_us_per_row"] > 0 and len(data["ratios"]) == 1 and "median ratio" in proc.stdout

@@ -462,3 +462,33 @@ def test_top_p_candidate_path_matches_full_sort() -> None:
         slow = _apply_top_k_top_p_sorted(logits, k, top_p)
         assert torch.equal(torch.isinf(fast), torch.isinf(slow))
         assert torch.equal(fast[~torch.isinf(fast)], slow[~torch.isinf(slow)])
+
+
+def _bitmask(allowed: list[set[int]], vocab_size: int) -> torch.Tensor:
+    words = torch.zeros((len(allowed), (vocab_size + 31) // 32), dtype=torch.int64)
+    for row, tokens in enumerate(allowed):
+        for token in tokens:
+            words[row, token // 32] |= 1 << (token % 32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # bit 31: the sign bit
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0), SamplingParams(temperature=1.5), SamplingParams(temperature=1.0, top_k=3),
+    SamplingParams(temperature=1.0, top_p=0.5, min_p=0.1, repetition_penalty=2.0, logit_bias={7: 100.0}),
+], ids=["greedy", "random", "top_k", "truncated_penalized_biased"])
+def test_grammar_bitmask_limits_constrained_rows_only(device: torch.device, params: SamplingParams) -> None:
+    from backfill.structured_output.manager import GrammarBitmask
+
+    vocab = 70  # three mask words, the last one partly used
+    sampler = make_sampler(device, vocab_size=vocab)
+    for request_id in ("a", "b", "c"):
+        sampler.add_request(request_id, params, [1, 2, 3])
+    allowed = {"a": {5, 31, 63, 69}, "c": {32}}  # 31 and 63: sign bits of their words
+    mask = GrammarBitmask(["c", "a"], _bitmask([allowed["c"], allowed["a"]], vocab))
+    free = []
+    for seed in range(30):
+        logits = random_logits(3, vocab, seed).to(device)
+        out = sampler.sample(["a", "b", "c"], logits, mask)
+        assert out.token_ids[0] in allowed["a"] and out.token_ids[2] == 32
+        free.append(out.token_ids[1])
+    assert any(token not in allowed["a"] | allowed["c"] for token in free)  # row b is unconstrained

@@ -5,9 +5,9 @@ Options, uvicorn and signals (SIGTERM starts the drain) are launcher.py's.
 Routes stay thin: parse (protocol.py), call OpenAIServing (serving.py), send. What each layer
 does on trouble:
 - invalid input, unknown fields that matter   -> 400 `invalid_request_error` naming `param`
-- missing or wrong API key on /v1/*           -> 401 (keys compared in constant time)
+- missing or wrong API key on /v1/*, /tokenize, /detokenize -> 401 (keys compared in constant time)
 - unknown model or route                      -> 404; waiting queue at --max-queue -> 429
-- draining after SIGTERM                      -> 503 with Retry-After on /v1/* and /health
+- draining after SIGTERM                      -> 503 with Retry-After on GATED_PATHS and /health
 - more sequences than --max-seqs-per-request  -> 400 naming `prompt` or `n`, before tokenizing
 A client that disconnects aborts its request: SSE responses when the send fails or the
 disconnect message arrives, non-streaming ones through a watcher task racing the handler.
@@ -38,12 +38,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from backfill.engine.async_engine import AsyncEngine, EngineStoppedError
 from backfill.engine.core_process import CoreProcess
 from backfill.engine.messages import CoreInfo
+from backfill import __version__
+from backfill.entrypoints.openai.http_extras import RequestIdMiddleware, add_request_schemas, request_body
 from backfill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from backfill.entrypoints.openai.protocol import (MAX_BODY_BYTES, APIError, ChatCompletionRequest,
                                                   CompletionRequest, ModelCard, ModelList,
                                                   parse_request, validation_error_to_api_error)
+from backfill.entrypoints.openai.responses import ResponsesRequest, ResponsesServing
 from backfill.entrypoints.openai.serving import (DEFAULT_MAX_SEQS_PER_REQUEST, RETRY_AFTER_S, OpenAIServing,
                                                  SSEStream)
+from backfill.entrypoints.openai.tokenization import DetokenizeRequest, TokenizationServing, TokenizeRequest
 
 if TYPE_CHECKING:
     from backfill.tokenizer import Tokenizer
@@ -56,6 +60,8 @@ ABORT_FLUSH_S = 0.2
 # After the engine core dies: in-flight requests fail at once, /health answers 503, and the
 # server exits with status 1 this many seconds later, for a supervisor to restart it.
 ENGINE_DEAD_EXIT_S = 5.0
+# Paths behind the API key and the drain gate (/health, /metrics and /version stay open).
+GATED_PATHS = ("/v1", "/tokenize", "/detokenize")
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -73,7 +79,7 @@ class ServerState:
 class GateMiddleware:
     """Pure ASGI (unlike BaseHTTPMiddleware it leaves streaming and disconnects alone).
 
-    On /v1/*: refuse with 503 while draining, check the API key, and count the call as active
+    On GATED_PATHS: refuse with 503 while draining, check the API key, and count the call as active
     until its response is fully sent (the drain waits for that count to reach zero).
     """
 
@@ -92,7 +98,7 @@ class GateMiddleware:
             hashlib.sha256(token.strip()).digest(), self._key_digest)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or not scope["path"].startswith(GATED_PATHS):
             await self.app(scope, receive, send)
             return
         if self.state.draining:
@@ -202,6 +208,11 @@ def build_app(core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer, *, served
 
     app = FastAPI(title="backfill", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(GateMiddleware, state=state, api_key=api_key)
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so refusals carry the id too
+    add_request_schemas(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
+                              DetokenizeRequest])
+    responses = ResponsesServing(serving)
+    tokenization = TokenizationServing(serving)
     app.state.engine = async_engine
     app.state.metrics = metrics
     app.state.serving = serving
@@ -253,15 +264,24 @@ def build_app(core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer, *, served
         logger.exception("unhandled error")
         return error_response(APIError(500, f"internal error: {type(error).__name__}", "server_error"))
 
-    @app.get("/health")
-    async def health() -> Response:
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health(request: Request) -> Response:
         if async_engine.is_dead:
-            return error_response(APIError(503, "the engine failed; the server exits", "server_error",
-                                           code="engine_dead"))
-        if state.draining:
-            return error_response(APIError(503, "shutting down", "server_error", code="shutting_down",
-                                           headers={"Retry-After": str(RETRY_AFTER_S)}))
-        return JSONResponse({"status": "ok"})
+            response = error_response(APIError(503, "the engine failed; the server exits", "server_error",
+                                               code="engine_dead"))
+        elif state.draining:
+            response = error_response(APIError(503, "shutting down", "server_error", code="shutting_down",
+                                               headers={"Retry-After": str(RETRY_AFTER_S)}))
+        else:
+            response = JSONResponse({"status": "ok"})
+        if request.method == "HEAD":  # the same status and headers, no body
+            headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+            return Response(status_code=response.status_code, headers=headers)
+        return response
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -288,15 +308,30 @@ def build_app(core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer, *, served
             return SSEResponse(result)
         return _json(result)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         body = parse_request(CompletionRequest, await read_body(request))
         return await respond(request, serving.create_completion(body))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         body = parse_request(ChatCompletionRequest, await read_body(request))
         return await respond(request, serving.create_chat_completion(body))
+
+    @app.post("/v1/responses", openapi_extra=request_body(ResponsesRequest))
+    async def create_response(request: Request) -> Response:
+        body = parse_request(ResponsesRequest, await read_body(request))
+        return await respond(request, responses.create_response(body))
+
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
+    async def tokenize(request: Request) -> Response:
+        body = parse_request(TokenizeRequest, await read_body(request))
+        return _json(await tokenization.tokenize(body))
+
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
+    async def detokenize(request: Request) -> Response:
+        body = parse_request(DetokenizeRequest, await read_body(request))
+        return _json(await tokenization.detokenize(body))
 
     return app
 

@@ -4,11 +4,13 @@ Requests are parsed strictly from JSON (`"max_tokens": "10"` or `true` is a 400,
 Unknown fields are ignored, as OpenAI ignores fields it does not know, except fields that would
 change the result and that we do not support: those are declared here and rejected with a 400
 naming them (`tools` on /v1/completions, the legacy `functions`/`function_call` (use `tools`),
-`response_format` other than text, `suffix`, `best_of` other than `n`, `echo` together with
-`logprobs`, non-text message parts, `function` messages, `modalities` other than text).
+`suffix`, `best_of` other than `n`, `echo` together with `logprobs`, non-text message parts,
+`function` messages, `modalities` other than text, and the fields of UNSUPPORTED_FIELDS and
+UNSUPPORTED_CHAT_FIELDS). A client that relies on them learns it at once instead of getting a
+silently different answer. Output constraints (`response_format`, vLLM's `guided_*` and
+`structured_outputs`) become one `StructuredOutputsParams` (`SamplingFields.output_constraint`).
 Tool calling on /v1/chat/completions is `tools`, `tool_choice` and `parallel_tool_calls`
 (`tool_calls.py`).
-A client that relies on them learns it at once instead of getting a silently different answer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from backfill.sampling_params import StructuredOutputsParams
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # a larger body is a 413 before it is parsed
 # Arrays and objects in one body. NOTE: parsing holds the event loop (and the GIL) for ~0.6 µs
@@ -27,6 +31,33 @@ MAX_JSON_CONTAINERS = 65_536
 # --priority-aging-steps, so the widest gap bounds how long a request can be overtaken.
 MAX_PRIORITY = 1000
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# Fields (vLLM's and OpenAI's) that would change the result and that this server does not
+# honour: a 400 naming the field when set to anything but "off" (null, false, empty).
+UNSUPPORTED_FIELDS = {
+    "prompt_logprobs": "prompt logprobs are not supported by this server",
+    "logits_processors": "custom logits processors are not supported by this server",
+    "use_beam_search": "beam search is not supported by this server",
+    "allowed_token_ids": "allowed_token_ids is not supported by this server; constrain the output with "
+                         "guided_choice or structured_outputs instead",
+    "bad_words": "bad_words is not supported by this server; use logit_bias",
+    "truncate_prompt_tokens": "prompt truncation is not supported by this server",
+    "guided_whitespace_pattern": "a custom whitespace pattern is not supported (JSON output is compact)",
+    "structural_tag": "structural tags are not supported by this server",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported by this server",
+    "functions": "legacy function calling is not supported; use tools and tool_choice",
+}
+UNSUPPORTED_CHAT_FIELDS = {
+    "echo": "echo is not supported on chat completions",
+    "chat_template": "a request's own chat template is not supported; the model's template is used",
+    "documents": "documents (RAG) are not supported by this server",
+    "prediction": "predicted outputs are not supported by this server",
+    "audio": "audio output is not supported by this server",
+    "reasoning_effort": "this model does not reason: reasoning_effort is not supported",
+    "verbosity": "verbosity is not supported by this server",
+    "web_search_options": "web search is not supported by this server",
+}
+# vLLM's `guided_decoding_backend` values this server honours (it decodes with llguidance).
+GUIDED_DECODING_BACKENDS = ("auto", "guidance", "llguidance")
 
 
 class APIError(Exception):
@@ -55,6 +86,26 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+def is_set(value: Any) -> bool:
+    """Whether a field that can only be refused was given a value that asks for something.
+
+    NOTE: `{}` asks (OpenAI's `web_search_options: {}` turns web search on); `[]` does not.
+    """
+    return value is not None and value is not False and not (isinstance(value, (str, list)) and not value)
+
+
+def refusing(reasons: dict[str, str]) -> Any:
+    """A field validator for a model's class body: each field of `reasons` (declared `Any = None`)
+    is a 400 naming it, with its reason, when it is set. Give each class's its own name."""
+
+    def refuse(cls: type, value: Any, info: ValidationInfo) -> Any:
+        if is_set(value):
+            raise ValueError(reasons[info.field_name or ""])
+        return value
+
+    return field_validator(*reasons)(refuse)
+
+
 class ResponseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -64,6 +115,61 @@ class ResponseModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool | None = None
+
+
+class JSONSchemaFormat(StrictModel):
+    """`response_format.json_schema`; `name`, `description` and `strict` do not change decoding
+    (the output always matches the schema)."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def constraint(self, param: str) -> tuple[str, dict[str, Any]] | None:
+        """(the param errors name, StructuredOutputsParams fields), None for plain text."""
+        if self.type == "json_object":
+            return param, {"json_object": True}
+        if self.type == "text":
+            return None
+        if self.json_schema is None:
+            raise bad_request(f"{param}.json_schema: required when type is json_schema", f"{param}.json_schema")
+        if self.json_schema.json_schema is None:
+            raise bad_request(f"{param}.json_schema.schema: required", f"{param}.json_schema.schema")
+        return f"{param}.json_schema.schema", {"json": self.json_schema.json_schema}
+
+
+class StructuredOutputsFields(StrictModel):
+    """vLLM's `structured_outputs` object: exactly one of its constraints."""
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: Any = None
+    structural_tag: Any = None
+
+    _refuse_unsupported_outputs = refusing({"whitespace_pattern": UNSUPPORTED_FIELDS["guided_whitespace_pattern"],
+                                            "structural_tag": UNSUPPORTED_FIELDS["structural_tag"]})
+
+    def constraint(self) -> tuple[str, dict[str, Any]]:
+        fields = self.model_dump(by_alias=True, include={"json_schema", "regex", "choice", "grammar", "json_object"},
+                                 exclude_none=True)
+        return "structured_outputs", fields
+
+
+def constraint_error(error: ValueError, param: str) -> APIError:
+    """A `ValueError("structured_outputs.<field>: ...")` as a 400 naming the field the user sent."""
+    field, sep, rest = str(error).partition(": ")
+    if param != "structured_outputs" and sep:
+        field = param
+    return bad_request(f"{field}: {rest}" if sep else str(error), field if sep else param)
 
 
 class SamplingFields(StrictModel):
@@ -92,8 +198,37 @@ class SamplingFields(StrictModel):
     # backfill extension: seconds from arrival (queueing included) before the request ends with a
     # 408 `request_timeout` error; null: the server's --request-timeout
     request_timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    # Output constraints: at most one of these (response_format "text" constrains nothing).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_decoding_backend: str | None = None
     # Declared only to be rejected when used (see the module docstring).
-    functions: list[Any] | None = None
+    functions: Any = None
+    prompt_logprobs: Any = None
+    logits_processors: Any = None
+    use_beam_search: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    return_tokens_as_token_ids: Any = None
+
+    _refuse_unsupported = refusing(UNSUPPORTED_FIELDS)
+
+    @field_validator("guided_decoding_backend")
+    @classmethod
+    def _check_backend(cls, value: str | None) -> str | None:
+        if value is not None and value not in GUIDED_DECODING_BACKENDS:
+            raise ValueError(f"this server decodes with llguidance: use one of {', '.join(GUIDED_DECODING_BACKENDS)} "
+                             "or leave it out")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -110,16 +245,35 @@ class SamplingFields(StrictModel):
             raise ValueError("stop sequences must not be empty")
         return value
 
-    @field_validator("functions")
-    @classmethod
-    def _no_functions(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("legacy function calling is not supported; use tools and tool_choice")
-        return value
-
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    def output_constraint(self) -> tuple[StructuredOutputsParams, str] | None:
+        """What the output must match, and the request field that asked for it (errors name it).
+
+        Raises APIError when more than one field asks for a constraint, or the one that asks is
+        malformed. Whether the grammar engine accepts it is checked later, off the event loop.
+        """
+        asked: list[tuple[str, dict[str, Any]]] = []
+        if self.response_format is not None and (found := self.response_format.constraint("response_format")):
+            asked.append(found)
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked.append((name, {kind: getattr(self, name)}))
+        if self.structured_outputs is not None:
+            asked.append(self.structured_outputs.constraint())
+        if not asked:
+            return None
+        if len(asked) > 1:
+            (first, _), (second, _) = asked[:2]
+            raise bad_request(f"{second}: only one output constraint per request, and {first} is set too", second)
+        param, fields = asked[0]
+        try:
+            return StructuredOutputsParams(**fields), param
+        except ValueError as error:
+            raise constraint_error(error, param) from None
 
 
 class CompletionRequest(SamplingFields):
@@ -131,14 +285,9 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
-    tools: list[Any] | None = None  # declared only to be rejected: tools need a chat
+    tools: Any = None  # declared only to be rejected: tools need a chat
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tools need /v1/chat/completions")
-        return value
+    _refuse_tools = refusing({"tools": "tools need /v1/chat/completions"})
 
     @field_validator("prompt")
     @classmethod
@@ -234,25 +383,59 @@ class ChatMessage(StrictModel):
         return self.content or ""
 
 
-class ResponseFormat(StrictModel):
-    type: Literal["text"]  # json_object / json_schema need constrained decoding: not supported
-
-
-class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions."""
+class ChatTemplateFields(StrictModel):
+    """A conversation and how to render it (vLLM's chat template controls)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the model continues the last (assistant) message
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+
+    def check_messages(self) -> None:
+        for index, message in enumerate(self.messages):
+            if message.content is None and message.role != "assistant":
+                raise bad_request(f"messages[{index}].content is required for role {message.role!r}",
+                                  f"messages[{index}].content")
+            if message.tool_calls and message.role != "assistant":
+                raise bad_request(f"messages[{index}].tool_calls: only assistant messages carry tool calls",
+                                  f"messages[{index}].tool_calls")
+            if message.role == "tool" and not message.tool_call_id:
+                raise bad_request(f"messages[{index}].tool_call_id is required for role 'tool'",
+                                  f"messages[{index}].tool_call_id")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise bad_request("continue_final_message: cannot be true together with add_generation_prompt "
+                                  "(set add_generation_prompt to false)", "continue_final_message")
+            last = self.messages[-1]
+            if last.role != "assistant" or not last.text():
+                raise bad_request("continue_final_message: the last message must be an assistant message with "
+                                  "text to continue", "continue_final_message")
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+    """POST /v1/chat/completions."""
+
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     modalities: list[Literal["text"]] | None = None
     # Tool calling (`tool_calls.py`); `tool_choice` None: "auto" with tools, "none" without.
     tools: list[ChatTool] | None = None
     tool_choice: Any = None  # "none" | "auto" | "required" | NamedToolChoice, by _check_tool_choice
     parallel_tool_calls: bool | None = None
     function_call: Any = None  # legacy: refused in check() unless "none" or "auto"
+    # Declared only to be rejected when used.
+    echo: Any = None
+    chat_template: Any = None
+    documents: Any = None
+    prediction: Any = None
+    audio: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+
+    _refuse_unsupported_chat = refusing(UNSUPPORTED_CHAT_FIELDS)
 
     @field_validator("tool_choice")
     @classmethod
@@ -273,16 +456,7 @@ class ChatCompletionRequest(SamplingFields):
         if self.function_call not in (None, "none", "auto"):  # without `functions`, those two change nothing
             raise bad_request("function_call: legacy function calling is not supported; use tools and tool_choice",
                               "function_call")
-        for index, message in enumerate(self.messages):
-            if message.content is None and message.role != "assistant":
-                raise bad_request(f"messages[{index}].content is required for role {message.role!r}",
-                                  f"messages[{index}].content")
-            if message.tool_calls and message.role != "assistant":
-                raise bad_request(f"messages[{index}].tool_calls: only assistant messages carry tool calls",
-                                  f"messages[{index}].tool_calls")
-            if message.role == "tool" and not message.tool_call_id:
-                raise bad_request(f"messages[{index}].tool_call_id is required for role 'tool'",
-                                  f"messages[{index}].tool_call_id")
+        self.check_messages()
 
     @property
     def max_tokens_param(self) -> str:

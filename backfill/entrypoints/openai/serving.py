@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import functools
 import json
 import re
 import time
@@ -26,13 +26,14 @@ from backfill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineEr
                                           QueueFullError, RequestStream, RequestTimeoutError)
 from backfill.entrypoints.openai.protocol import (
     APIError, AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
+    ChatCompletionResponse, ChatLogprobs, ChatTemplateFields, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, PromptTokensDetails, SamplingFields, TokenLogprob, TopLogprob, UsageInfo,
-    bad_request)
+    bad_request, constraint_error)
 from backfill.entrypoints.openai.token_text import TokenText
 from backfill.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan, plan_tools, prompt_messages
 from backfill.outputs import CompletionOutput, RequestOutput
-from backfill.sampling_params import SamplingParams
+from backfill.sampling_params import SamplingParams, StructuredOutputsParams
+from backfill.structured_output.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
     from backfill.tokenizer import Tokenizer
@@ -158,6 +159,8 @@ class OpenAIServing:
         self.vocab_size = vocab_size
         self.max_seqs_per_request = max_seqs_per_request
         self.token_text = TokenText(tokenizer)
+        # Checks output constraints before they are queued (the engine compiles its own).
+        self.grammar_compiler = GrammarCompiler(tokenizer, vocab_size)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -166,8 +169,28 @@ class OpenAIServing:
 
     # ---- shared steps ------------------------------------------------------------------
 
+    async def _output_constraint(self, request: SamplingFields,
+                                 tool_plan: ToolPlan | None = None) -> StructuredOutputsParams | None:
+        """The request's output constraint, once the grammar engine has accepted it (compiling
+        can take long: it runs in a worker thread, and the compiled grammar is cached). A forced
+        tool call is one (its errors name `tools`)."""
+        found = request.output_constraint()
+        forced = tool_plan.structured_outputs() if tool_plan is not None else None
+        if forced is not None:
+            if found is not None:
+                raise bad_request(f"tool_choice: a forced tool call cannot be combined with {found[1]}", "tool_choice")
+            found = forced, "tools"
+        if found is None:
+            return None
+        constraint, param = found
+        try:
+            await asyncio.to_thread(self.grammar_compiler.check, constraint)
+        except ValueError as error:
+            raise constraint_error(error, param) from None
+        return constraint
+
     def _sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                         renames: dict[str, str]) -> SamplingParams:
+                         renames: dict[str, str], constraint: StructuredOutputsParams | None) -> SamplingParams:
         bias = None
         if request.logit_bias:
             bias = {}
@@ -184,6 +207,8 @@ class OpenAIServing:
             "frequency_penalty": request.frequency_penalty, "repetition_penalty": request.repetition_penalty,
             "logit_bias": bias, "seed": request.seed, "min_tokens": request.min_tokens, "stop": request.stop,
             "stop_token_ids": request.stop_token_ids, "ignore_eos": request.ignore_eos, "logprobs": logprobs,
+            "include_stop_str_in_output": request.include_stop_str_in_output,
+            "skip_special_tokens": request.skip_special_tokens, "structured_outputs": constraint,
         }
         try:
             return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
@@ -265,7 +290,8 @@ class OpenAIServing:
             ids = await self._encode(item) if isinstance(item, str) else list(item)
             self._check_prompt(ids, "prompt")
             prompts.append(_Prompt(item if isinstance(item, str) else None, ids))
-        params = self._sampling_params(request, request.max_tokens, request.logprobs, {})
+        constraint = await self._output_constraint(request)
+        params = self._sampling_params(request, request.max_tokens, request.logprobs, {}, constraint)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit(request_id, prompts, params, {}, request)
         if request.echo:
@@ -296,7 +322,7 @@ class OpenAIServing:
 
     async def _completion_full(self, request_id: str, created: int, streams: list[RequestStream],
                                prompts: list[_Prompt], params: SamplingParams, echo: bool) -> CompletionResponse:
-        finals, logprobs = await self._collect(streams)
+        finals, logprobs = await self.collect(streams)
         choices = []
         num_completion = 0
         for (i, k), completion in sorted(finals.items()):
@@ -307,7 +333,7 @@ class OpenAIServing:
             choices.append(CompletionChoice(index=i * params.n + k, text=prefix + completion.text, logprobs=lp,
                                             finish_reason=completion.finish_reason))
             num_completion += len(completion.token_ids)
-        usage = self._usage(prompts, num_completion, streams)
+        usage = self.usage(prompts, num_completion, streams)
         return CompletionResponse(id=request_id, created=created, model=self.served_model_name,
                                   choices=choices, usage=usage)
 
@@ -343,7 +369,7 @@ class OpenAIServing:
 
         def usage_chunk() -> CompletionResponse:
             return CompletionResponse(id=request_id, created=created, model=self.served_model_name, choices=[],
-                                      usage=self._usage(prompts, sum(num_tokens.values()), streams))
+                                      usage=self.usage(prompts, sum(num_tokens.values()), streams))
 
         return self._sse_tail(events(), streams, usage_chunk if include_usage else None)
 
@@ -351,35 +377,15 @@ class OpenAIServing:
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> ChatCompletionResponse | SSEStream:
         """As `create_completion`, for a conversation rendered with the model's chat template."""
-        self.check_model(request.model)
-        request.check()
-        self._check_fan_out(1, request.n)
-        tool_plan = plan_tools(request)
-        messages, tools = prompt_messages(request.messages, tool_plan, self.tokenizer.chat_template)
-        try:
-            # Message text is encoded as text: only the template's markers become special tokens.
-            if sum(len(m["content"]) for m in messages) + len(json.dumps(tools or [])) > LONG_TEXT_CHARS:
-                text, ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, True, tools)
-            else:
-                text, ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
-        except ValueError as error:
-            raise value_error(error) from None
-        self._check_prompt(ids, "messages")
-        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        num_top = (request.top_logprobs or 0) if request.logprobs else None
-        renames = {"max_tokens": request.max_tokens_param, "logprobs": "top_logprobs", "prompt": "messages"}
-        params = self._sampling_params(request, max_tokens, num_top, renames)
-        if tool_plan is not None:
-            params = self._with_tool_constraint(params, tool_plan, renames)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prompts = [_Prompt(text, ids)]
-        streams = await self._submit(request_id, prompts, params, renames, request)
+        tool_plan = plan_tools(request)
+        prompts, params, streams = await self.start_chat(request, request_id, tool_plan)
         created = int(time.time())
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return SSEStream(self._chat_stream(request_id, created, streams[0], prompts, params, include_usage,
                                                tool_plan), streams)
-        finals, logprobs = await self._collect(streams)
+        finals, logprobs = await self.collect(streams)
         choices = []
         for (_, k), completion in sorted(finals.items()):
             lp = self._chat_logprobs(logprobs[(0, k)], params.logprobs) if params.logprobs is not None else None
@@ -389,22 +395,45 @@ class OpenAIServing:
                 if calls:
                     message, finish_reason = AssistantMessage(content=content, tool_calls=calls), "tool_calls"
             choices.append(ChatChoice(index=k, message=message, logprobs=lp, finish_reason=finish_reason))
-        usage = self._usage(prompts, sum(len(c.token_ids) for c in finals.values()), streams)
+        usage = self.usage(prompts, sum(len(c.token_ids) for c in finals.values()), streams)
         return ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name,
                                       choices=choices, usage=usage)
 
-    @staticmethod
-    def _with_tool_constraint(params: SamplingParams, plan: ToolPlan, renames: dict[str, str]) -> SamplingParams:
-        """`params` constrained to a forced tool call (unchanged in "auto")."""
-        constraint = plan.structured_outputs()
-        if constraint is None:
-            return params
-        if params.structured_outputs is not None:
-            raise bad_request("tool_choice: a forced tool call cannot be combined with another output "
-                              "constraint (response_format)", "tool_choice")
-        # NOTE: the grammar engine may reject a tool's schema: its error names the tools.
-        renames["structured_outputs.json"] = "tools"
-        return dataclasses.replace(params, structured_outputs=constraint)
+    async def start_chat(self, request: ChatCompletionRequest, request_id: str,
+                         tool_plan: ToolPlan | None = None) -> tuple[list[_Prompt], SamplingParams, list[RequestStream]]:
+        """Check and render the conversation (offering `tool_plan`'s tools, constrained to a
+        forced call), and queue it: its prompt, params and stream.
+
+        Raises APIError before anything is queued when the request cannot be served.
+        """
+        self.check_model(request.model)
+        request.check()
+        self._check_fan_out(1, request.n)
+        text, ids = await self.render_chat(request, tool_plan)
+        self._check_prompt(ids, "messages")
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        num_top = (request.top_logprobs or 0) if request.logprobs else None
+        renames = {"max_tokens": request.max_tokens_param, "logprobs": "top_logprobs", "prompt": "messages"}
+        constraint = await self._output_constraint(request, tool_plan)
+        params = self._sampling_params(request, max_tokens, num_top, renames, constraint)
+        prompts = [_Prompt(text, ids)]
+        return prompts, params, await self._submit(request_id, prompts, params, renames, request)
+
+    async def render_chat(self, request: ChatTemplateFields,
+                          tool_plan: ToolPlan | None = None) -> tuple[str, list[int]]:
+        """The conversation as prompt text and ids (messages checked by `check_messages`), tool
+        calls and results included, with `tool_plan`'s tools offered."""
+        messages, tools = prompt_messages(request.messages, tool_plan, self.tokenizer.chat_template)
+        render = functools.partial(self.tokenizer.encode_chat, messages, request.add_generation_prompt,
+                                   continue_final_message=request.continue_final_message,
+                                   chat_template_kwargs=request.chat_template_kwargs, tools=tools)
+        try:
+            # Message text is encoded as text: only the template's markers become special tokens.
+            if sum(len(m["content"]) for m in messages) + len(json.dumps(tools or [])) > LONG_TEXT_CHARS:
+                return await asyncio.to_thread(render)
+            return render()
+        except ValueError as error:
+            raise value_error(error) from None
 
     def _chat_logprobs(self, deltas: Sequence[TokenLogprobs], num_top: int) -> ChatLogprobs:
         content = []
@@ -438,7 +467,8 @@ class OpenAIServing:
                         lp = self._chat_logprobs(completion.delta_logprobs, params.logprobs)
                     finish_reason = completion.finish_reason
                     if tool_plan is None:
-                        deltas = [{"content": completion.delta_text}] if completion.delta_text or lp is not None else []
+                        has_text = completion.delta_text or lp is not None
+                        deltas = [{"content": completion.delta_text}] if has_text else []
                     else:
                         tool_stream = tool_streams.setdefault(completion.index, tool_plan.stream())
                         deltas = tool_stream.feed(completion.delta_text, finish_reason)
@@ -452,7 +482,7 @@ class OpenAIServing:
 
         def usage_chunk() -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name, choices=[],
-                                       usage=self._usage(prompts, sum(num_tokens.values()), [stream]))
+                                       usage=self.usage(prompts, sum(num_tokens.values()), [stream]))
 
         return self._sse_tail(events(), [stream], usage_chunk if include_usage else None)
 
@@ -478,7 +508,7 @@ class OpenAIServing:
 
     # ---- helpers -----------------------------------------------------------------------
 
-    async def _collect(self, streams: list[RequestStream]) -> tuple[
+    async def collect(self, streams: list[RequestStream]) -> tuple[
             dict[tuple[int, int], CompletionOutput], dict[tuple[int, int], list[TokenLogprobs]]]:
         """Run streams to the end: the last output of every completion and all its logprobs."""
         finals: dict[tuple[int, int], CompletionOutput] = {}
@@ -497,7 +527,7 @@ class OpenAIServing:
         return finals, logprobs
 
     @staticmethod
-    def _usage(prompts: list[_Prompt], num_completion_tokens: int, streams: list[RequestStream]) -> UsageInfo:
+    def usage(prompts: list[_Prompt], num_completion_tokens: int, streams: list[RequestStream]) -> UsageInfo:
         """OpenAI's usage; `prompt_tokens_details.cached_tokens`: the prompts' tokens found in the
         prefix cache (one stream per prompt)."""
         num_prompt = sum(len(p.token_ids) for p in prompts)

@@ -1,0 +1,267 @@
+"""The API surface real clients use: every field either changes the result as it should, or is
+refused with a 400 naming it; output constraints; /tokenize, /detokenize, /version, HEAD
+/health, x-request-id and /openapi.json. (/v1/responses: test_responses_api.py.)"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import httpx
+import pytest
+
+import backfill
+from tests.server.harness import API_KEY, MODEL, ServerProcess
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+C, CH = "/v1/completions", "/v1/chat/completions"
+PROMPT = "The three most important inventions in history are"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+CONTINUED = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **fields}
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": QUESTION, "max_tokens": 4, **fields}
+
+
+def post(server: ServerProcess, path: str, body: dict[str, Any], **kwargs: Any) -> httpx.Response:
+    return httpx.post(server.base_url + path, json=body, headers={**AUTH, **kwargs.pop("headers", {})},
+                      timeout=120, **kwargs)
+
+
+# (case id, path, body, the error's param)
+REFUSED: list[tuple[str, str, dict[str, Any], str]] = [
+    ("prompt-logprobs", C, completion(prompt_logprobs=1), "prompt_logprobs"),
+    ("prompt-logprobs-zero", C, completion(prompt_logprobs=0), "prompt_logprobs"),
+    ("logits-processors", C, completion(logits_processors=["my.module:Processor"]), "logits_processors"),
+    ("beam-search", C, completion(use_beam_search=True), "use_beam_search"),
+    ("allowed-token-ids", C, completion(allowed_token_ids=[1, 2]), "allowed_token_ids"),
+    ("bad-words", CH, chat(bad_words=["Paris"]), "bad_words"),
+    ("truncate-prompt-tokens", C, completion(truncate_prompt_tokens=5), "truncate_prompt_tokens"),
+    ("whitespace-pattern", C, completion(guided_json={"type": "object"}, guided_whitespace_pattern=" "),
+     "guided_whitespace_pattern"),
+    ("structural-tag", CH, chat(structural_tag={"structures": []}), "structural_tag"),
+    ("tokens-as-ids", C, completion(return_tokens_as_token_ids=True), "return_tokens_as_token_ids"),
+    ("decoding-backend", C, completion(guided_regex="a+", guided_decoding_backend="xgrammar"),
+     "guided_decoding_backend"),
+    ("chat-echo", CH, chat(echo=True), "echo"),
+    ("chat-own-template", CH, chat(chat_template="{{ messages }}"), "chat_template"),
+    ("chat-documents", CH, chat(documents=[{"title": "a", "text": "b"}]), "documents"),
+    ("chat-prediction", CH, chat(prediction={"type": "content", "content": "Paris"}), "prediction"),
+    ("chat-audio", CH, chat(audio={"voice": "alloy", "format": "wav"}), "audio"),
+    ("chat-reasoning-effort", CH, chat(reasoning_effort="low"), "reasoning_effort"),
+    ("chat-verbosity", CH, chat(verbosity="low"), "verbosity"),
+    ("chat-web-search", CH, chat(web_search_options={}), "web_search_options"),
+    # Output constraints: one at most, well-formed, and accepted by the grammar engine.
+    ("response-format-type", CH, chat(response_format={"type": "grammar"}), "response_format.type"),
+    ("json-schema-missing", CH, chat(response_format={"type": "json_schema"}), "response_format.json_schema"),
+    ("json-schema-bad", CH, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "no-such-type"}}}), "response_format.json_schema.schema"),
+    ("two-constraints", C, completion(guided_regex="a+", guided_choice=["a"]), "guided_choice"),
+    ("format-and-guided", CH, chat(response_format={"type": "json_object"}, guided_json={"type": "object"}),
+     "guided_json"),
+    ("guided-json-text", C, completion(guided_json="{not json"), "guided_json"),
+    ("guided-regex-bad", C, completion(guided_regex="(unclosed"), "guided_regex"),
+    ("guided-grammar-bad", C, completion(guided_grammar="start: ("), "guided_grammar"),
+    ("guided-choice-empty", C, completion(guided_choice=[]), "guided_choice"),
+    ("structured-two", C, completion(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
+    ("structured-none", C, completion(structured_outputs={}), "structured_outputs"),
+    ("structured-regex-bad", CH, chat(structured_outputs={"regex": "(unclosed"}), "structured_outputs.regex"),
+    ("structured-json-type", C, completion(structured_outputs={"json": 5}), "structured_outputs.json"),
+    ("structured-tag", C, completion(structured_outputs={"structural_tag": "{}"}), "structured_outputs.structural_tag"),
+    # Chat template controls.
+    ("continue-with-generation-prompt", CH, chat(messages=CONTINUED, continue_final_message=True),
+     "continue_final_message"),
+    ("continue-a-user-message", CH, chat(continue_final_message=True, add_generation_prompt=False),
+     "continue_final_message"),
+    ("template-kwargs-reserved", CH, chat(chat_template_kwargs={"add_generation_prompt": False}),
+     "chat_template_kwargs"),
+    ("template-kwargs-messages", CH, chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+    ("template-kwargs-hf-option", CH, chat(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
+    ("template-kwargs-not-object", CH, chat(chat_template_kwargs=["x"]), "chat_template_kwargs"),
+    # Utility endpoints.
+    ("tokenize-both", "/tokenize", {"prompt": "a", "messages": QUESTION}, "messages"),
+    ("tokenize-neither", "/tokenize", {}, "prompt"),
+    ("tokenize-chat-special", "/tokenize", {"messages": QUESTION, "add_special_tokens": True}, "add_special_tokens"),
+    ("detokenize-out-of-vocab", "/detokenize", {"tokens": [1, 10_000_000]}, "tokens"),
+    ("detokenize-negative", "/detokenize", {"tokens": [-1]}, "tokens"),
+    ("detokenize-not-ids", "/detokenize", {"tokens": ["a"]}, "tokens[0]"),
+]
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=[case[0] for case in REFUSED])
+def test_refused_fields_are_named(server: ServerProcess, case: tuple[str, str, dict[str, Any], str]) -> None:
+    _, path, body, param = case
+    response = post(server, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert error["message"].startswith(param), error
+
+
+def test_fields_that_ask_for_nothing_are_accepted(server: ServerProcess) -> None:
+    off = {"prompt_logprobs": None, "use_beam_search": False, "bad_words": [], "logits_processors": [],
+           "guided_decoding_backend": "auto", "user": "u", "store": False, "metadata": {"a": "b"},
+           "service_tier": "auto", "response_format": {"type": "text"}, "echo": False, "reasoning_effort": None}
+    response = post(server, CH, chat(**off))
+    assert response.status_code == 200, response.text
+
+
+def test_include_stop_str_in_output(server: ServerProcess) -> None:
+    body = completion(max_tokens=16, temperature=0, ignore_eos=True)
+    text = post(server, C, body).json()["choices"][0]["text"]
+    stop = text.split()[len(text.split()) // 2]
+    cut = text[: text.index(stop)]
+    for include, expected in ((False, cut), (True, cut + stop)):
+        choice = post(server, C, {**body, "stop": [stop], "include_stop_str_in_output": include}).json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (expected, "stop")
+    with httpx.stream("POST", server.v1 + "/completions", headers=AUTH, timeout=120,
+                      json={**body, "stop": [stop], "include_stop_str_in_output": True, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == cut + stop
+
+
+def test_skip_special_tokens(server: ServerProcess) -> None:
+    end = tokenize(server, prompt="<|im_end|>", add_special_tokens=False)["tokens"]
+    body = completion(max_tokens=2, temperature=0, ignore_eos=True, logit_bias={str(end[0]): 100})
+    assert post(server, C, body).json()["choices"][0]["text"] == ""
+    assert post(server, C, {**body, "skip_special_tokens": False}).json()["choices"][0]["text"] == "<|im_end|>" * 2
+
+
+def tokenize(server: ServerProcess, **body: Any) -> dict[str, Any]:
+    response = post(server, "/tokenize", body)
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def detokenize(server: ServerProcess, tokens: list[int]) -> str:
+    response = post(server, "/detokenize", {"tokens": tokens})
+    assert response.status_code == 200, response.text
+    return str(response.json()["prompt"])
+
+
+def test_add_generation_prompt_false_renders_no_assistant_header(server: ServerProcess) -> None:
+    with_header = detokenize(server, tokenize(server, messages=QUESTION)["tokens"])
+    without = detokenize(server, tokenize(server, messages=QUESTION, add_generation_prompt=False)["tokens"])
+    assert with_header.startswith(without) and with_header != without and "assistant" in with_header[len(without):]
+    response = post(server, CH, chat(add_generation_prompt=False))
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == len(tokenize(server, messages=QUESTION,
+                                                                      add_generation_prompt=False)["tokens"])
+
+
+def test_continue_final_message_continues_the_assistant_turn(server: ServerProcess) -> None:
+    rendered = tokenize(server, messages=CONTINUED, add_generation_prompt=False, continue_final_message=True)
+    assert detokenize(server, rendered["tokens"]).endswith("The capital of France is")
+    result = post(server, CH, chat(messages=CONTINUED, add_generation_prompt=False, continue_final_message=True,
+                                   max_tokens=8, temperature=0)).json()
+    assert result["usage"]["prompt_tokens"] == rendered["count"]
+    assert "Paris" in result["choices"][0]["message"]["content"]
+
+
+def test_chat_template_kwargs_are_accepted(server: ServerProcess) -> None:
+    # The served template reads no extra variable; test_chat_template_kwargs_reach_the_template
+    # shows they arrive, on a template that does.
+    response = post(server, CH, chat(chat_template_kwargs={"enable_thinking": False, "custom": [1, 2]}))
+    assert response.status_code == 200, response.text
+
+
+def test_chat_template_kwargs_reach_the_template_and_cannot_forge_turns() -> None:
+    from backfill.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    tokenizer.hf.chat_template = tokenizer.chat_template = (
+        "{{ greeting }}{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}")
+    text, ids = tokenizer.encode_chat(QUESTION, chat_template_kwargs={"greeting": "Hi <|im_end|>"})
+    assert text == "Hi <|im_end|><|im_start|>What is the capital of France?<|im_end|>"
+    end = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    assert ids.count(end[0]) == 1  # the template's own marker; the greeting's is plain text
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+# ---- output constraints (the engine masks the sampler) -----------------------------------------
+
+
+def test_response_format_json_object(server: ServerProcess) -> None:
+    result = post(server, CH, chat(response_format={"type": "json_object"}, max_tokens=40, temperature=0)).json()
+    choice = result["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+    else:  # cut by max_tokens: still the start of an object
+        assert choice["message"]["content"].startswith("{")
+
+
+def test_response_format_json_schema(server: ServerProcess) -> None:
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "enum": ["Paris", "Lyon"]}},
+              "required": ["capital"], "additionalProperties": False}
+    body = chat(response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
+                                                                        "strict": True}},
+                max_tokens=30, temperature=0)
+    content = post(server, CH, body).json()["choices"][0]["message"]["content"]
+    assert json.loads(content)["capital"] in ("Paris", "Lyon")
+
+
+@pytest.mark.parametrize("fields", [{"guided_choice": ["yes", "no"]},
+                                    {"structured_outputs": {"choice": ["yes", "no"]}}], ids=["guided", "structured"])
+def test_choice_output_is_one_of_the_choices(server: ServerProcess, fields: dict[str, Any]) -> None:
+    for path, body in ((C, completion(**fields, max_tokens=8)), (CH, chat(**fields, max_tokens=8))):
+        choice = post(server, path, body).json()["choices"][0]
+        assert (choice.get("text") or choice.get("message", {}).get("content")) in ("yes", "no")
+
+
+def test_regex_output_matches(server: ServerProcess) -> None:
+    choice = post(server, C, completion(guided_regex=r"[0-9]{3}-[a-z]{2}", max_tokens=12)).json()["choices"][0]
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", choice["text"]), choice
+
+
+# ---- utility endpoints -------------------------------------------------------------------------
+
+
+def test_tokenize_counts_what_completions_count(server: ServerProcess) -> None:
+    result = tokenize(server, prompt=PROMPT, return_token_strs=True)
+    usage = post(server, C, completion(max_tokens=1)).json()["usage"]
+    models = httpx.get(server.v1 + "/models", headers=AUTH).json()["data"]
+    assert result["count"] == len(result["tokens"]) == len(result["token_strs"]) == usage["prompt_tokens"]
+    assert result["max_model_len"] == models[0]["max_model_len"]
+    assert detokenize(server, tokenize(server, prompt=PROMPT, add_special_tokens=False)["tokens"]) == PROMPT
+    chat_usage = post(server, CH, chat(max_tokens=1)).json()["usage"]
+    assert tokenize(server, messages=QUESTION)["count"] == chat_usage["prompt_tokens"]
+
+
+def test_version_and_head_health(server: ServerProcess) -> None:
+    assert httpx.get(server.base_url + "/version").json() == {"version": backfill.__version__}
+    head = httpx.head(server.base_url + "/health")
+    assert head.status_code == 200 and head.content == b""
+
+
+def test_tokenize_needs_the_key_like_v1(server: ServerProcess) -> None:
+    assert httpx.post(server.base_url + "/tokenize", json={"prompt": "a"}).status_code == 401
+    assert httpx.post(server.base_url + "/detokenize", json={"tokens": [1]}).status_code == 401
+
+
+@pytest.mark.parametrize("sent, echoed", [("req-42.a:b_C", True), ("x" * 129, False), ("bad id\u00e9", False),
+                                          ("", False)])
+def test_every_response_carries_a_request_id(server: ServerProcess, sent: str, echoed: bool) -> None:
+    headers = {"x-request-id": sent.encode("utf-8")} if sent else {}
+    for method, path, auth in (("GET", "/v1/models", AUTH), ("GET", "/v1/models", {}), ("GET", "/nope", AUTH),
+                               ("GET", "/health", {})):
+        response = httpx.request(method, server.base_url + path, headers={**auth, **headers})  # type: ignore[arg-type]
+        request_id = response.headers["x-request-id"]
+        assert request_id == sent if echoed else re.fullmatch(r"[0-9a-f]{32}", request_id), (path, request_id)
+
+
+def test_openapi_shows_the_request_schemas(server: ServerProcess) -> None:
+    spec = httpx.get(server.base_url + "/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    for path, name in ((C, "CompletionRequest"), (CH, "ChatCompletionRequest"), ("/v1/responses", "ResponsesRequest"),
+                       ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")):
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{name}"}
+    assert {"messages", "response_format", "continue_final_message"} <= set(schemas["ChatCompletionRequest"]["properties"])
+    refs = re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(spec))
+    assert set(refs) <= set(schemas)
