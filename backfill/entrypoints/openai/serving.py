@@ -457,8 +457,10 @@ class OpenAIServing:
         tool_streams: dict[int, ToolCallStream] = {}
 
         async def events() -> AsyncGenerator[str, None]:
+            # A forced call has no content: null, as OpenAI streams a tool call.
+            first_content = None if tool_plan is not None and tool_plan.mode != "auto" else ""
             for k in range(params.n):
-                yield chunk(k, {"role": "assistant", "content": ""})
+                yield chunk(k, {"role": "assistant", "content": first_content})
             async for output in stream:
                 for completion in output.outputs:
                     num_tokens[completion.index] = len(completion.token_ids)
