@@ -8,6 +8,7 @@ call, and the answer is checked to be one or the other, the same whole and strea
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import openai
@@ -127,6 +128,25 @@ def test_auto_answers_in_text_or_calls_the_same_whole_and_streamed(client: opena
         [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
 
 
+@pytest.mark.parametrize("before", ["", "Let me check. "])
+def test_auto_parses_a_hermes_call_whole_and_streamed(client: openai.OpenAI, before: str) -> None:
+    """The model's output is pinned by a regex (vLLM's structured_outputs) to a Hermes call, so
+    the parsing of "auto" is checked end to end, whatever the model would have said."""
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>'
+    fields: dict[str, Any] = dict(model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": re.escape(before + call)}})
+    whole = client.chat.completions.create(**fields).choices[0]
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(stream=True, **fields):
+        state.handle_chunk(chunk)
+    streamed = state.get_final_completion().choices[0]
+    for choice in (whole, streamed):
+        assert choice.finish_reason == "tool_calls"
+        assert (choice.message.content or "") == before
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == \
+            [("get_time", {"timezone": "UTC"})]
+
+
 def test_tool_choice_none_answers_in_text(client: openai.OpenAI) -> None:
     result = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="none",
                                             max_tokens=8, temperature=0)
@@ -166,6 +186,10 @@ def test_marker_text_in_tools_and_results_counts_as_text(client: openai.OpenAI) 
     ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "functions": [{"name": "f"}]}, "functions"),
+    # the grammar engine refuses the schema of a forced call (a dangling $ref)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}], "tool_choice": "required"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_bad_tools_are_a_400_naming_the_field(client: openai.OpenAI, fields: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as error:
