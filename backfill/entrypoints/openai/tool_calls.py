@@ -29,6 +29,7 @@ may answer in text, so no grammar applies).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -59,8 +60,9 @@ class ToolPlan:
     name: str | None = None  # the forced function ("named")
     parallel: bool = True  # parallel_tool_calls
 
-    @property
+    @functools.cached_property
     def schemas(self) -> dict[str, dict[str, Any]]:
+        """Each tool's `parameters` by its name."""
         return {tool["function"]["name"]: tool["function"]["parameters"] for tool in self.tools}
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
@@ -211,10 +213,8 @@ class ToolCallStream:
 
     def feed(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
         """The deltas to send for `text`; on the last output (a finish reason), the rest."""
-        if self.plan.mode == "named":
-            deltas = self._named(text)
-        else:
-            deltas = self._required(text) if self.plan.mode == "required" else self._auto(text)
+        step = {"named": self._named, "required": self._required, "auto": self._auto}[self.plan.mode]
+        deltas = step(text)
         if finish_reason is not None:
             content, calls = self.plan.parse(self._held)
             self.finish_reason = "tool_calls" if calls else finish_reason
