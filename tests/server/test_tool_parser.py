@@ -231,3 +231,45 @@ def test_required_stream_sends_each_call_when_its_item_is_complete() -> None:
     # Cut by max_tokens after one complete item: that call was sent; the finish says "length".
     content, calls, finish = stream_text(required, ['[{"name": "get_time", "parameters": {}}, {"na'], "length")
     assert (content, [c["name"] for c in calls], finish) == ("", ["get_time"], "length")
+
+
+# A Hermes/Qwen-style template that knows tools (trimmed from Qwen2.5's).
+TOOL_TEMPLATE = (
+    # NOTE: transformers renders with trim_blocks: a newline right after a block tag is dropped.
+    "{% if tools %}<|im_start|>system\n<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools><|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n{{ message.content }}"
+    "{% for call in message.tool_calls %}<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}<|im_start|>assistant{{ '\\n' }}")  # (a last newline of a template is dropped too)
+
+
+def test_a_template_that_knows_tools_renders_them_and_the_history() -> None:
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from backfill.tokenizer import Tokenizer
+
+    raw = RawTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", unk_token="<unk>")
+    hf.chat_template = TOOL_TEMPLATE
+    history = request(tools=[WEATHER], messages=[
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    messages, tools = prompt_messages(history.messages, plan_tools(history), hf.chat_template)
+    text, ids = Tokenizer(hf).encode_chat(messages, tools=tools)
+    assert text == (f"<|im_start|>system\n<tools>\n{json.dumps(WEATHER)}\n</tools><|im_end|>\n"
+                    "<|im_start|>user\nParis?<|im_end|>\n"
+                    '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                    "</tool_call><|im_end|>\n"
+                    "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert ids.count(hf.convert_tokens_to_ids("<|im_start|>")) == 5
