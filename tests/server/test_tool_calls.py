@@ -198,3 +198,24 @@ def test_bad_tools_are_a_400_naming_the_field(client: openai.OpenAI, fields: dic
                                        extra_body={k: v for k, v in fields.items() if k == "functions"})
     assert error.value.status_code == 400
     assert isinstance(error.value.body, dict) and error.value.body.get("param") == param, error.value.body
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "get_time"])
+def test_langchain_assembles_streamed_calls(server: ServerProcess, tool_choice: str) -> None:
+    import langchain_openai
+
+    chat = langchain_openai.ChatOpenAI(model=MODEL, base_url=server.v1, api_key=API_KEY, temperature=0,
+                                       max_tokens=MAX_TOKENS, max_retries=0, timeout=120)
+    model = chat.bind_tools(TOOLS, tool_choice=tool_choice)
+    whole = model.invoke(QUESTION)
+    chunks = list(model.stream(QUESTION))
+    streamed = chunks[0]
+    for chunk in chunks[1:]:
+        streamed += chunk
+    for message in (whole, streamed):
+        assert message.tool_calls and not message.invalid_tool_calls  # type: ignore[attr-defined]
+        for call in message.tool_calls:  # type: ignore[attr-defined]
+            assert call["name"] == tool_choice or tool_choice == "required"
+            check_arguments(call["name"], json.dumps(call["args"]))
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == \
+        [(c["name"], c["args"]) for c in whole.tool_calls]  # type: ignore[attr-defined]
