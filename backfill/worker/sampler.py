@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from backfill import kernels
 from backfill.core.outputs import TokenLogprobs
 from backfill.sampling_params import SamplingParams
 
@@ -100,6 +101,10 @@ class Sampler:
         self._prompt_mask = torch.zeros((0, vocab_size), dtype=torch.bool, device=self.device)  # [slots, V]
         self._free_slots: list[int] = []
         self._bit_shifts: torch.Tensor | None = None  # [32] int32, unpacks grammar bitmasks
+        # NOTE: torch's CPU argmax reads one element at a time (~3 ms for [32, 49152]); the
+        # kernels' argmax_rows gives the same indices ~10x faster.
+        ext = kernels.extension() if self.device.type == "cpu" else None
+        self._argmax_rows = getattr(ext, "argmax_rows", None)
 
     @property
     def num_requests(self) -> int:
@@ -165,7 +170,7 @@ class Sampler:
         if grammar_bitmask is not None:
             processed = self._apply_grammar(request_ids, logits, processed, grammar_bitmask)
         if plan.all_greedy:
-            tokens = processed.argmax(dim=-1)  # [S]
+            tokens = self._argmax(processed)  # [S]
         else:
             tokens = self._sample_random(plan, processed)  # [S]
         self._record(plan, tokens)
@@ -340,8 +345,14 @@ class Sampler:
         target = (1.0 - u) * cdf[:, -1:]  # [S, 1], in (0, total mass]
         sampled = torch.searchsorted(cdf, target).squeeze(1).clamp_max_(probs.shape[1] - 1)  # [S]
         if plan.greedy_mask is not None:
-            sampled = torch.where(plan.greedy_mask, logits.argmax(dim=-1), sampled)  # [S]
+            sampled = torch.where(plan.greedy_mask, self._argmax(logits), sampled)  # [S]
         return sampled
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [S, V] float32 -> [S] int64: `logits.argmax(dim=-1)`, by the kernels where they run."""
+        if self._argmax_rows is not None:
+            return self._argmax_rows(logits)
+        return logits.argmax(dim=-1)
 
     def _record(self, plan: _BatchPlan, tokens: torch.Tensor) -> None:
         """Append each row's new token to its request's history (only what penalties/min_tokens read)."""

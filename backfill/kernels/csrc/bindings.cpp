@@ -1,6 +1,7 @@
 // Python bindings of the CPU kernels (a pybind11 module built by torch.utils.cpp_extension).
 #include <torch/extension.h>
 
+#include "attention_cpu.h"
 #include "qgemm.h"
 
 namespace backfill {
@@ -95,6 +96,25 @@ torch::Tensor dequantize_packed(const torch::Tensor& packed, int64_t qtype, int6
   return out;
 }
 
+// logits [S, V] fp32 -> [S] int64, each row's torch.argmax (first maximum; NaN is the maximum),
+// vectorized (torch's argmax runs one element at a time).
+torch::Tensor argmax_rows(const torch::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == torch::kFloat32 && logits.dim() == 2,
+              "logits must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(logits.size(1) >= 1 && logits.size(1) < (int64_t{1} << 31), "logits: bad row length ", logits.size(1));
+  const torch::Tensor x = logits.contiguous();
+  const int64_t rows = x.size(0), cols = x.size(1);
+  torch::Tensor out = torch::empty({rows}, torch::kInt64);  // [S]
+  const float* src = x.data_ptr<float>();
+  int64_t* dst = out.data_ptr<int64_t>();
+  const DecoderKernels& kernels = elementwise_kernels();
+  // NOTE: a row is ~10 us; below 16 rows a second thread costs more than it saves.
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) dst[r] = kernels.argmax(src + r * cols, cols);
+  });
+  return out;
+}
+
 }  // namespace
 
 void register_decoder(pybind11::module& m);  // decoder.cpp
@@ -118,5 +138,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qtype"), py::arg("cols"), py::arg("rows") = py::none());
   m.def("dequantize_packed", &backfill::dequantize_packed, "packed rows as fp32", py::arg("packed"),
         py::arg("qtype"), py::arg("rows"), py::arg("cols"), py::arg("row_ids") = py::none());
+  m.def("argmax_rows", &backfill::argmax_rows, "torch.argmax(logits, dim=-1) of [S, V] fp32, vectorized",
+        py::arg("logits"), py::call_guard<py::gil_scoped_release>());
   backfill::register_decoder(m);
 }
