@@ -6,8 +6,10 @@ Per call, in order (vLLM semantics, batched over rows):
   logit_bias    added to the listed token ids
   min_tokens    stop_token_ids (and EOS unless ignore_eos) masked while outputs < min_tokens
   greedy        temperature 0: argmax of the processed logits
-  random        / temperature, top_k, top_p, min_p, then the exponential race
-                argmax(probs / q), q ~ Exp(1): one batched op instead of a multinomial per row.
+  random        / temperature, top_k, top_p, min_p, then inverse-CDF sampling: one uniform draw
+                per row (`inverse_cdf_sample`).
+On a CPU with the kernels extension, the argmax and the inverse-CDF pick run there (the same
+indices as their torch references, which run elsewhere).
 
 Everything that depends only on which requests share the batch (parameter tensors, index
 tensors) is built once per batch composition and reused while the composition is unchanged, so
@@ -105,6 +107,8 @@ class Sampler:
         # kernels' argmax_rows gives the same indices ~10x faster.
         ext = kernels.extension() if self.device.type == "cpu" else None
         self._argmax_rows = getattr(ext, "argmax_rows", None)
+        # Likewise its inverse_cdf_sample: the reference's tokens without its float64 cumsum tensor.
+        self._inverse_cdf_sample = getattr(ext, "inverse_cdf_sample", None)
 
     @property
     def num_requests(self) -> int:
@@ -336,14 +340,15 @@ class Sampler:
         # Inverse-CDF sampling: one uniform draw per row picks token i with probability
         # probs[i] / sum(probs), so truncated rows need no renormalization, and a zero-probability
         # token (a flat step of the CDF) can never be hit. One draw per row, not one per token.
-        cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [S, V]
         u = torch.rand((probs.shape[0], 1), dtype=torch.float64, device=self.device, generator=self._generator)  # [S, 1]
         for row in plan.seeded_rows:
             # A seeded row's draw comes only from its own stream, so its tokens do not depend on
             # which requests share the batch.
             u[row] = torch.rand(1, dtype=torch.float64, device=self.device, generator=plan.states[row].generator)
-        target = (1.0 - u) * cdf[:, -1:]  # [S, 1], in (0, total mass]
-        sampled = torch.searchsorted(cdf, target).squeeze(1).clamp_max_(probs.shape[1] - 1)  # [S]
+        if self._inverse_cdf_sample is not None:
+            sampled = self._inverse_cdf_sample(probs, u)  # [S], the same tokens as inverse_cdf_sample below
+        else:
+            sampled = inverse_cdf_sample(probs, u)  # [S]
         if plan.greedy_mask is not None:
             sampled = torch.where(plan.greedy_mask, self._argmax(logits), sampled)  # [S]
         return sampled
@@ -391,6 +396,14 @@ class Sampler:
             self._output_counts, self._prompt_mask = counts, prompt
             self._free_slots = list(range(new - 1, old - 1, -1))
         return self._free_slots.pop()
+
+
+def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [S, V] (unnormalized, >= 0), u [S, 1] float64 uniform in [0, 1) -> [S] int64: the
+    token whose CDF step holds (1 - u) x the row's mass (the reference of the kernels' version)."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [S, V]
+    target = (1.0 - u) * cdf[:, -1:]  # [S, 1], in (0, total mass]
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_max_(probs.shape[1] - 1)  # [S]
 
 
 _TOP_P_CANDIDATES = 1024  # best tokens searched for the nucleus before a full sort

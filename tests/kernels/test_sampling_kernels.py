@@ -1,4 +1,5 @@
-"""argmax_rows (greedy sampling's argmax, vectorized) against torch.argmax, on every ISA."""
+"""The sampler's kernels against their torch references: argmax_rows (greedy, on every ISA) and
+inverse_cdf_sample (random rows)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from backfill.kernels import extension
+from backfill.worker.sampler import inverse_cdf_sample
 
 ext = extension()
 pytestmark = pytest.mark.skipif(ext is None, reason="CPU kernels extension unavailable (no compiler, or disabled)")
@@ -53,3 +55,22 @@ def test_rejects_bad_input() -> None:
         ext.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))
     with pytest.raises(RuntimeError):
         ext.argmax_rows(torch.zeros(2, 0))
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 100, 49152])
+@pytest.mark.parametrize("kind", ["plain", "truncated", "peaked", "nan"])
+def test_inverse_cdf_sample_matches_reference(vocab: int, kind: str) -> None:
+    generator = torch.Generator().manual_seed(vocab)
+    for trial in range(20):
+        logits = torch.randn(8, vocab, generator=generator) * (1 + trial)  # [S, V]
+        probs = logits.softmax(dim=-1)  # [S, V]
+        if kind == "truncated":  # min-p / top-k leave zeros, unnormalized
+            probs.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * 0.2, 0.0)
+        elif kind == "peaked":
+            probs = (logits * 50).softmax(dim=-1)
+        elif kind == "nan":
+            probs[0] = float("nan")
+        u = torch.rand((8, 1), dtype=torch.float64, generator=generator)  # [S, 1]
+        u[0] = 0.0  # the whole mass: the last nonzero token
+        assert torch.equal(ext.inverse_cdf_sample(probs, u), inverse_cdf_sample(probs, u))
+        assert torch.equal(ext.inverse_cdf_sample(probs[:, :], u.view(-1)), inverse_cdf_sample(probs, u))
