@@ -446,6 +446,25 @@ def test_batch_composition_changes_between_calls(device: torch.device) -> None:
     assert sampler.sample([], torch.zeros((0, vocab), device=device)).token_ids == []
 
 
+def test_kernels_pick_the_same_tokens_as_torch() -> None:
+    """With the CPU kernels (argmax_rows, inverse_cdf_sample) and without: the same tokens, step
+    after step, for greedy, plain-temperature, truncated and seeded rows in one batch."""
+    vocab = 5000
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
+              SamplingParams(temperature=1.3, top_k=50, top_p=0.9), SamplingParams(temperature=0.7, min_p=0.05),
+              SamplingParams(temperature=1.0, seed=7)]
+    samplers = [make_sampler(torch.device("cpu"), vocab_size=vocab, seed=3) for _ in range(2)]
+    if samplers[0]._argmax_rows is None:
+        pytest.skip("CPU kernels extension unavailable")
+    samplers[1]._argmax_rows = samplers[1]._inverse_cdf_sample = None  # the torch references
+    ids = [f"r{i}" for i in range(len(params))]
+    for sampler in samplers:
+        for request_id, p in zip(ids, params):
+            sampler.add_request(request_id, p, [5, 6])
+    steps = [random_logits(len(ids), vocab, seed=step) for step in range(20)]
+    assert run_steps(samplers[0], ids, iter(steps)) == run_steps(samplers[1], ids, iter(steps))
+
+
 def test_top_p_candidate_path_matches_full_sort() -> None:
     """The top-p fast path (nucleus searched among the best candidates) equals the full sort,
     including rows that must fall back: flat distributions, top-k sets wider than the candidates."""

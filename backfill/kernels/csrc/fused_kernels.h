@@ -93,6 +93,9 @@ struct DecoderKernels {
   void (*rms_norm)(const float* x, const float* w, float eps, int64_t n, float* y);
   // y[n] = silu(gate[n]) * up[n]
   void (*silu_mul)(const float* gate, const float* up, int64_t n, float* y);
+  // The index of the first maximum of x[0 .. n) (n >= 1, n < 2^31), a NaN counting as the
+  // maximum: torch.argmax's answer, in one vectorized pass (greedy sampling).
+  int64_t (*argmax)(const float* x, int64_t n);
 };
 
 // One table per variant; the dispatcher (decoder.cpp) picks by the CPU and head_dim.

@@ -629,7 +629,46 @@ void attention_combine(const AttentionShape& s, const AttentionTile& t, const fl
   }
 }
 
-const DecoderKernels kTable = {BF_NAME, W, attention_scratch, attention_tile, attention_combine, rms_norm, silu_mul};
+// Each lane keeps the first index of its own maximum (strict >); the row's answer is the smallest
+// index among the lanes holding the overall maximum, then the tail. NaN never wins a > test, so
+// a row with one is settled by a scan for its first NaN (torch.argmax: NaN is the maximum).
+int64_t argmax(const float* x, int64_t n) {
+  int64_t i = 0, best = 0;
+  float best_value = x[0];
+  bool has_nan = false;
+  if (n >= W) {
+    vf lane_max = load(x);
+    vi lane_index = iota(), index = iota(), nan = lane_max != lane_max;
+    for (i = W; i + W <= n; i += W) {
+      const vf v = load(x + i);
+      index += W;
+      const vi greater = v > lane_max;
+      lane_max = greater ? v : lane_max;
+      lane_index = greater ? index : lane_index;
+      nan |= v != v;
+    }
+    best_value = hmax(lane_max);
+    best = n;
+    for (int64_t l = 0; l < W; ++l) {
+      has_nan |= nan[l] != 0;
+      if (lane_max[l] == best_value && lane_index[l] < best) best = lane_index[l];
+    }
+  } else {
+    i = 1;
+    has_nan = x[0] != x[0];
+  }
+  for (; i < n; ++i) {
+    has_nan |= x[i] != x[i];
+    if (x[i] > best_value) best_value = x[i], best = i;
+  }
+  if (has_nan)
+    for (i = 0; i < n; ++i)
+      if (x[i] != x[i]) return i;
+  return best;
+}
+
+const DecoderKernels kTable = {BF_NAME,  W,        attention_scratch, attention_tile, attention_combine,
+                               rms_norm, silu_mul, argmax};
 
 }  // namespace
 
