@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from backfill.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                                  loc_to_param, parse_request)
+from backfill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from backfill.entrypoints.openai.wire import APIError, loc_to_param, parse_request
 from backfill.entrypoints.openai.serving import value_error
 from backfill.entrypoints.openai.token_text import TokenText
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from backfill.entrypoints.openai.protocol import APIError, ChatCompletionRequest, parse_request
+from backfill.entrypoints.openai.protocol import ChatCompletionRequest
+from backfill.entrypoints.openai.wire import APIError, parse_request
 from backfill.entrypoints.openai.tool_calls import ToolPlan, parse_auto, plan_tools, prompt_messages
 
 WEATHER = {"type": "function", "function": {

@@ -25,9 +25,9 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from backfill.engine.async_engine import EngineError, RequestStream
-from backfill.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, ChatMessage, JSONSchemaFormat,
-                                                  ResponseFormat, ResponseModel, StrictModel, UsageInfo,
-                                                  refusing)
+from backfill.entrypoints.openai.protocol import (
+    ChatCompletionRequest, ChatMessage, JSONSchemaFormat, ResponseFormat, UsageInfo, refusing)
+from backfill.entrypoints.openai.wire import APIError, ResponseModel, StrictModel
 from backfill.entrypoints.openai.serving import OpenAIServing, SSEStream, engine_error
 
 # Responses API fields that would change the result and that this server does not honour.

@@ -25,10 +25,10 @@ from backfill.core.outputs import TokenLogprobs
 from backfill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineError, EngineStoppedError,
                                           QueueFullError, RequestStream, RequestTimeoutError)
 from backfill.entrypoints.openai.protocol import (
-    APIError, AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatLogprobs, ChatTemplateFields, ChatStreamChoice, CompletionChoice, CompletionLogprobs,
-    CompletionRequest, CompletionResponse, PromptTokensDetails, SamplingFields, TokenLogprob, TopLogprob, UsageInfo,
-    bad_request, constraint_error)
+    AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+    ChatTemplateFields, ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionRequest,
+    CompletionResponse, PromptTokensDetails, SamplingFields, TokenLogprob, TopLogprob, UsageInfo, constraint_error)
+from backfill.entrypoints.openai.wire import APIError, bad_request
 from backfill.entrypoints.openai.token_text import TokenText
 from backfill.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan, plan_tools, prompt_messages
 from backfill.outputs import CompletionOutput, RequestOutput

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from backfill.entrypoints.openai.protocol import (ChatMessage, ChatTemplateFields, ResponseModel, StrictModel,
-                                                  bad_request)
+from backfill.entrypoints.openai.protocol import ChatMessage, ChatTemplateFields
+from backfill.entrypoints.openai.wire import ResponseModel, StrictModel, bad_request
 from backfill.entrypoints.openai.serving import LONG_TEXT_CHARS
 
 if TYPE_CHECKING:

@@ -36,8 +36,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from backfill.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, FunctionCall, NamedToolChoice,
-                                                  ToolCall, bad_request)
+from backfill.entrypoints.openai.protocol import (
+    ChatCompletionRequest, ChatMessage, FunctionCall, NamedToolChoice, ToolCall)
+from backfill.entrypoints.openai.wire import bad_request
 from backfill.sampling_params import MAX_GRAMMAR_CHARS, StructuredOutputsParams
 
 MAX_TOOLS = 128  # as OpenAI
