@@ -2,8 +2,9 @@
 default model, temperature 0.8, 50 answers per method.
 
 `json_schema` and `function_calling` send the schema: constrained decoding makes every answer
-valid, whatever the model would have said (the schema is bounded, so every answer ends well
-within max_tokens). `json_mode` sends no schema (OpenAI's `json_object`): the grammar makes
+valid, whatever the model would have said (the schema is bounded, so every answer ends within
+max_tokens: 40 characters of name, even each a 6-token unicode escape, and 3 digits of age).
+`json_mode` sends no schema (OpenAI's `json_object`): the grammar makes
 every answer a JSON object; whether its keys are the model's is up to the model and the prompt's
 format instructions, so that count is asserted against a floor and printed, not promised.
 """
@@ -42,7 +43,7 @@ def _conversation(i: int) -> list[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def chat(server: ServerProcess):  # type: ignore[no-untyped-def]
     return langchain_openai.ChatOpenAI(model=MODEL, base_url=server.v1, api_key=API_KEY, temperature=0.8,
-                                       max_tokens=120, max_retries=0, timeout=300)
+                                       max_tokens=400, max_retries=0, timeout=300)
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
