@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, create_model, field_validator
 
 from backfill.entrypoints.openai.wire import APIError, ResponseModel, StrictModel, bad_request
 from backfill.sampling_params import StructuredOutputsParams
@@ -63,16 +63,19 @@ def is_set(value: Any) -> bool:
     return value is not None and value is not False and not (isinstance(value, (str, list)) and not value)
 
 
-def refusing(reasons: dict[str, str]) -> Any:
-    """A field validator for a model's class body: each field of `reasons` (declared `Any = None`)
-    is a 400 naming it, with its reason, when it is set. Give each class's its own name."""
+def refused_fields(name: str, reasons: dict[str, str]) -> type[StrictModel]:
+    """A base model that declares each field of `reasons` (`Any`, default None) and answers it,
+    when set, with a 400 naming it and giving its reason: each field is listed once, in its
+    table. `name` names the model (and its validator: bases of one model need distinct ones)."""
 
     def refuse(cls: type, value: Any, info: ValidationInfo) -> Any:
         if is_set(value):
             raise ValueError(reasons[info.field_name or ""])
         return value
 
-    return field_validator(*reasons)(refuse)
+    fields: dict[str, Any] = {field: (Any, None) for field in reasons}
+    validators = {f"_refuse_{name}": field_validator(*reasons)(refuse)}
+    return create_model(name, __base__=StrictModel, __validators__=validators, **fields)  # type: ignore[no-any-return]
 
 
 # ---- requests ------------------------------------------------------------------------------
@@ -109,7 +112,9 @@ class ResponseFormat(StrictModel):
         return f"{param}.json_schema.schema", {"json": self.json_schema.json_schema}
 
 
-class StructuredOutputsFields(StrictModel):
+class StructuredOutputsFields(refused_fields("UnsupportedStructuredOutputsFields", {
+        "whitespace_pattern": UNSUPPORTED_FIELDS["guided_whitespace_pattern"],
+        "structural_tag": UNSUPPORTED_FIELDS["structural_tag"]})):
     """vLLM's `structured_outputs` object: exactly one of its constraints."""
 
     json_schema: dict[str, Any] | str | None = Field(None, alias="json")
@@ -117,11 +122,6 @@ class StructuredOutputsFields(StrictModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    whitespace_pattern: Any = None
-    structural_tag: Any = None
-
-    _refuse_unsupported_outputs = refusing({"whitespace_pattern": UNSUPPORTED_FIELDS["guided_whitespace_pattern"],
-                                            "structural_tag": UNSUPPORTED_FIELDS["structural_tag"]})
 
     def constraint(self) -> tuple[str, dict[str, Any]]:
         fields = self.model_dump(by_alias=True, include={"json_schema", "regex", "choice", "grammar", "json_object"},
@@ -137,7 +137,7 @@ def constraint_error(error: ValueError, param: str) -> APIError:
     return bad_request(f"{field}: {rest}" if sep else str(error), field if sep else param)
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(refused_fields("UnsupportedFields", UNSUPPORTED_FIELDS)):
     """Fields shared by both endpoints. `None` means "the default", as OpenAI treats null."""
 
     model: str | None = None  # None: the served model
@@ -173,19 +173,6 @@ class SamplingFields(StrictModel):
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsFields | None = None
     guided_decoding_backend: str | None = None
-    # Declared only to be rejected when used (see the module docstring).
-    functions: Any = None
-    prompt_logprobs: Any = None
-    logits_processors: Any = None
-    use_beam_search: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
-    truncate_prompt_tokens: Any = None
-    guided_whitespace_pattern: Any = None
-    structural_tag: Any = None
-    return_tokens_as_token_ids: Any = None
-
-    _refuse_unsupported = refusing(UNSUPPORTED_FIELDS)
 
     @field_validator("guided_decoding_backend")
     @classmethod
@@ -241,7 +228,8 @@ class SamplingFields(StrictModel):
             raise constraint_error(error, param) from None
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, refused_fields("UnsupportedCompletionFields",
+                                                      {"tools": "tools need /v1/chat/completions"})):
     """POST /v1/completions. `prompt`: a string, strings, token ids, or lists of token ids."""
 
     prompt: Any  # checked by _check_prompt; Any keeps union tags out of the error `param`
@@ -250,9 +238,6 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
-    tools: Any = None  # declared only to be rejected: tools need a chat
-
-    _refuse_tools = refusing({"tools": "tools need /v1/chat/completions"})
 
     @field_validator("prompt")
     @classmethod
@@ -377,7 +362,8 @@ class ChatTemplateFields(StrictModel):
                                   "text to continue", "continue_final_message")
 
 
-class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields,
+                            refused_fields("UnsupportedChatFields", UNSUPPORTED_CHAT_FIELDS)):
     """POST /v1/chat/completions."""
 
     max_tokens: int | None = Field(None, ge=1)
@@ -390,17 +376,6 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     tool_choice: Any = None  # "none" | "auto" | "required" | NamedToolChoice, by _check_tool_choice
     parallel_tool_calls: bool | None = None
     function_call: Any = None  # legacy: refused in check() unless "none" or "auto"
-    # Declared only to be rejected when used.
-    echo: Any = None
-    chat_template: Any = None
-    documents: Any = None
-    prediction: Any = None
-    audio: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
-    web_search_options: Any = None
-
-    _refuse_unsupported_chat = refusing(UNSUPPORTED_CHAT_FIELDS)
 
     @field_validator("tool_choice")
     @classmethod

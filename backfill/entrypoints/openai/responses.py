@@ -26,7 +26,7 @@ from pydantic import Field, field_validator
 
 from backfill.engine.async_engine import EngineError, RequestStream
 from backfill.entrypoints.openai.protocol import (
-    ChatCompletionRequest, ChatMessage, JSONSchemaFormat, ResponseFormat, UsageInfo, refusing)
+    ChatCompletionRequest, ChatMessage, JSONSchemaFormat, ResponseFormat, UsageInfo, refused_fields)
 from backfill.entrypoints.openai.wire import APIError, ResponseModel, StrictModel
 from backfill.entrypoints.openai.serving import OpenAIServing, SSEStream, engine_error
 
@@ -75,7 +75,7 @@ class TextConfig(StrictModel):
     verbosity: Literal["medium"] | None = None  # OpenAI's default; this server has no other
 
 
-class ResponsesRequest(StrictModel):
+class ResponsesRequest(refused_fields("UnsupportedResponseFields", UNSUPPORTED_RESPONSE_FIELDS)):
     model: str | None = None
     input: str | list[InputMessage]
     instructions: str | None = None
@@ -89,19 +89,6 @@ class ResponsesRequest(StrictModel):
     truncation: Literal["disabled"] | None = None  # "auto" would drop input: refused
     # Accepted, and changing nothing: store (nothing is stored), metadata, user, service_tier, ...
     metadata: dict[str, str] | None = None
-    # Declared only to be rejected when used.
-    tools: Any = None
-    previous_response_id: Any = None
-    conversation: Any = None
-    background: Any = None
-    reasoning: Any = None
-    include: Any = None
-    prompt: Any = None
-    max_tool_calls: Any = None
-    top_logprobs: Any = None
-    context_management: Any = None
-
-    _refuse_unsupported_response = refusing(UNSUPPORTED_RESPONSE_FIELDS)
 
     @field_validator("input")
     @classmethod
