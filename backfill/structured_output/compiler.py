@@ -81,6 +81,14 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
     def matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        return self._compiled(params).deep_copy()
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        """Raise ValueError("structured_outputs.<field>: ...") if the grammar cannot be used."""
+        self._compiled(params)
+
+    def _compiled(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """The cached compiled matcher (compiled now on a miss); not to be advanced."""
         key = params.source()
         with self._lock:
             cached = self._cache.get(key)
@@ -94,11 +102,7 @@ class GrammarCompiler:
                     self._cache.popitem(last=False)
         if isinstance(cached, str):
             raise ValueError(cached)
-        return cached.deep_copy()
-
-    def check(self, params: StructuredOutputsParams) -> None:
-        """Raise ValueError("structured_outputs.<field>: ...") if the grammar cannot be used."""
-        self.matcher(params)
+        return cached
 
     def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher | str:
         """The compiled matcher, or the error message if the grammar is rejected."""

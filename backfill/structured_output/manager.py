@@ -107,11 +107,16 @@ class StructuredOutputManager:
             self._compiler = GrammarCompiler(self._load_tokenizer(), self.vocab_size)
         return self._compiler
 
-    def grammar(self, params: StructuredOutputsParams) -> Grammar:
-        """Start compiling `params` in the background; the grammar is ready when that ends."""
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """The compile thread, started on first use."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="grammar")
-        return Grammar(self._executor.submit(self._compile, params))
+        return self._executor
+
+    def grammar(self, params: StructuredOutputsParams) -> Grammar:
+        """Start compiling `params` in the background; the grammar is ready when that ends."""
+        return Grammar(self.executor.submit(self._compile, params))
 
     def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         return self.compiler.matcher(params)
@@ -123,9 +128,7 @@ class StructuredOutputManager:
     def warm_up(self) -> None:
         """Load the tokenizer and the grammar engine's view of it in the background, so the
         first constrained request does not wait for them."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="grammar")
-        self._executor.submit(lambda: self.compiler.ll_tokenizer)
+        self.executor.submit(lambda: self.compiler.ll_tokenizer)
 
     def bitmask(self, rows: Sequence[tuple[str, Grammar]]) -> GrammarBitmask | None:
         """One mask row per (request id, ready grammar) that samples this step."""
