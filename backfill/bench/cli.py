@@ -116,6 +116,9 @@ def add_bench_subparser(subparsers: Any) -> None:
     serve.add_argument("--num-slots", type=int, default=None,
                        help="the server's batch slots (max-num-seqs), to estimate idle-slot cost")
     serve.add_argument("--price-per-hour", type=float, default=None, help="USD per hour of the machine")
+    serve.add_argument("--dashboard", choices=("closed", "open", "both"), default="closed",
+                       help="open: the server's /dashboard is open in a headless Chromium during the run; "
+                            "both: each rate runs closed, then open, and the throughput ratio is printed")
     serve.add_argument("--plot", action="store_true", help="write throughput/TTFT-vs-rate and latency CDF PNGs")
     serve.add_argument("--label", default="server", help="series name in plots")
     serve.add_argument("--no-progress", action="store_true")
@@ -207,7 +210,7 @@ def _cmd_workload(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from backfill.bench.economics import estimate_wasted_share, format_economics, unit_economics
     from backfill.bench.metrics import RequestResult, format_summary, parse_goodput
-    from backfill.bench.serve_client import ServeBenchConfig, run_serve_benchmark
+    from backfill.bench.serve_client import ServeBenchConfig
     from backfill.bench.workloads import load_workload
 
     requests = load_workload(args.workload)
@@ -215,13 +218,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     rates: list[float | None] = list(args.request_rate) if args.request_rate else [None]
     base = _result_path(args, "serve")
     results = []
-    for rate in rates:
+    for rate, page_open in _serve_runs(rates, args.dashboard):
         config = ServeBenchConfig(
             base_url=args.base_url, model=args.request_model, endpoint=args.endpoint, request_rate=rate,
             burstiness=args.burstiness, seed=args.seed, goodput_slo_ms=slo, percentiles=tuple(args.percentiles),
             api_key=args.api_key, num_warmups=args.num_warmups, show_progress=not args.no_progress,
         )
-        result = run_serve_benchmark(requests, config)
+        result = _run_with_dashboard(requests, config, page_open)
         print(format_summary(result))
         delta = result["server_generation_tokens_delta"]
         if delta is not None:
@@ -242,6 +245,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             result["economics"] = econ
             print(format_economics(econ))
         path = base if len(rates) == 1 else base.with_name(f"{base.stem}-rate{_rate_name(rate)}{base.suffix}")
+        if page_open:
+            path = path.with_name(f"{path.stem}-dashboard{path.suffix}")
+            if args.dashboard == "both":
+                closed = results[-1]["output_throughput"]
+                print(f"output throughput with /dashboard open: {result['output_throughput']:.2f} tok/s, closed: "
+                      f"{closed:.2f} tok/s, ratio {result['output_throughput'] / closed:.4f}")
         _write_json(path, result)
         results.append(result)
     if args.plot:
@@ -251,6 +260,32 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cdf = {f"{args.label} @ {r['request_rate']}": {"ttft": r["ttfts"], "e2el": r["e2els"]} for r in results}
         print(f"wrote {plot_latency_cdf(cdf, base.with_name(base.stem + '_latency_cdf.png'))}")
     return 0 if all(r["failed"] == 0 for r in results) else 1
+
+
+def _serve_runs(rates: list[float | None], dashboard: str) -> list[tuple[float | None, bool]]:
+    """(rate, whether the dashboard is open) of each run, in order."""
+    modes = {"closed": (False,), "open": (True,), "both": (False, True)}[dashboard]
+    return [(rate, page_open) for rate in rates for page_open in modes]
+
+
+def _run_with_dashboard(requests: list[Any], config: Any, page_open: bool) -> dict[str, Any]:
+    """One serve benchmark run, with the server's /dashboard open (and polling) throughout if
+    `page_open`: what a watching page costs the engine."""
+    from backfill.bench.serve_client import run_serve_benchmark
+
+    if not page_open:
+        return run_serve_benchmark(requests, config)
+    from backfill.bench.dashboard_browser import open_dashboard
+
+    with open_dashboard(config.base_url, config.api_key) as driver:
+        status = driver.find_element("id", "status")
+        polls_before = int(status.get_attribute("data-polls") or 0)
+        result = run_serve_benchmark(requests, config)
+        result["dashboard_polls"] = int(status.get_attribute("data-polls") or 0) - polls_before
+        result["dashboard_status"] = status.text
+    print(f"/dashboard polled /v1/stats {result['dashboard_polls']} times during the run "
+          f"({result['dashboard_status']})")
+    return result
 
 
 def _rate_name(rate: float | None) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from backfill.core.outputs import StepStats
@@ -60,7 +60,8 @@ class RequestFailedError(EngineError):
 
 
 class EngineObserver(Protocol):
-    """Receives every step's outputs on the event loop (the metrics registry implements it)."""
+    """Receives every step's outputs on the event loop (the metrics registry and the dashboard's
+    LiveStats implement it)."""
 
     def on_step(self, outputs: list[RequestOutput], stats: StepStats | None) -> None: ...
     def on_abort(self, request_ids: list[str]) -> None: ...
@@ -129,13 +130,13 @@ class AsyncEngine:
     """
 
     def __init__(self, core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer, max_queue: int | None = None,
-                 observer: EngineObserver | None = None) -> None:
+                 observers: Sequence[EngineObserver] = ()) -> None:
         if max_queue is not None and max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.core = core
         self.info = info
         self.max_queue = max_queue
-        self._observer = observer
+        self._observers = tuple(observers)
         self._processor = InputProcessor(tokenizer, info)
         self._output_processor = OutputProcessor(tokenizer.hf)
         self._streams: dict[str, RequestStream] = {}
@@ -266,8 +267,8 @@ class AsyncEngine:
             return
         if self._dead is None:
             self.core.send(CoreInputs(abort=core_ids))
-        if self._observer is not None:
-            self._observer.on_abort(live)
+        for observer in self._observers:
+            observer.on_abort(live)
 
     # ---- messages from the core ----------------------------------------------------------
 
@@ -296,8 +297,9 @@ class AsyncEngine:
             stream.put(output)
             if output.finished:
                 del self._streams[output.request_id]
-        if self._observer is not None and (outputs or message.stats is not None):
-            self._observer.on_step(outputs, message.stats)
+        if outputs or message.stats is not None:
+            for observer in self._observers:
+                observer.on_step(outputs, message.stats)
 
     def _on_death(self, why: str) -> None:
         logger.error("the engine core died: %s", why)

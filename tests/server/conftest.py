@@ -16,7 +16,7 @@ from tests.server.harness import API_KEY, ServerProcess, start_server
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
-    process = start_server("--api-key", API_KEY, "--max-num-seqs", "32")
+    process = start_server("--api-key", API_KEY, "--max-num-seqs", "32", "--price-per-hour", "2.0")
     try:
         yield process
     finally:

@@ -5,7 +5,7 @@ Options, uvicorn and signals (SIGTERM starts the drain) are launcher.py's.
 Routes stay thin: parse (protocol.py), call OpenAIServing (serving.py), send. What each layer
 does on trouble:
 - invalid input, unknown fields that matter   -> 400 `invalid_request_error` naming `param`
-- missing or wrong API key on /v1/*, /tokenize, /detokenize -> 401 (keys compared in constant time)
+- missing or wrong API key on /v1/*, /tokenize, /detokenize, /dashboard -> 401 (constant-time compare)
 - unknown model or route                      -> 404; waiting queue at --max-queue -> 429
 - draining after SIGTERM                      -> 503 with Retry-After on GATED_PATHS and /health
 - more sequences than --max-seqs-per-request  -> 400 naming `prompt` or `n`, before tokenizing
@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,6 +40,7 @@ from backfill.engine.async_engine import AsyncEngine, EngineStoppedError
 from backfill.engine.core_process import CoreProcess
 from backfill.engine.messages import CoreInfo
 from backfill import __version__
+from backfill.entrypoints.openai.dashboard import LiveStats, dashboard_page
 from backfill.entrypoints.openai.http_extras import RequestIdMiddleware, add_request_schemas, request_body
 from backfill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from backfill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -61,6 +63,8 @@ ABORT_FLUSH_S = 0.2
 ENGINE_DEAD_EXIT_S = 5.0
 # Paths behind the API key and the drain gate (/health, /metrics and /version stay open).
 GATED_PATHS = ("/v1", "/tokenize", "/detokenize")
+# Behind the API key only (header, or `?key=`: see GateMiddleware); its feed is /v1/stats.
+DASHBOARD_PATH = "/dashboard"
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -87,16 +91,33 @@ class GateMiddleware:
         self.state = state
         self._key_digest = hashlib.sha256(api_key.encode()).digest() if api_key else None
 
+    def _key_matches(self, token: bytes) -> bool:
+        assert self._key_digest is not None
+        # NOTE: hashing first makes the comparison constant-time in the key's length as well.
+        return hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self._key_digest)
+
     def _authorized(self, scope: Scope) -> bool:
         if self._key_digest is None:
             return True
         header = dict(scope.get("headers") or []).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
-        # NOTE: hashing first makes the comparison constant-time in the key's length as well.
-        return scheme.lower() == b"bearer" and hmac.compare_digest(
-            hashlib.sha256(token.strip()).digest(), self._key_digest)
+        return scheme.lower() == b"bearer" and self._key_matches(token)
+
+    def _page_authorized(self, scope: Scope) -> bool:
+        """The dashboard page: a browser cannot set a header on navigation, so `?key=` works too."""
+        if self._authorized(scope):
+            return True
+        keys = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key", [])
+        return any(self._key_matches(key.encode()) for key in keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == DASHBOARD_PATH:
+            if self._page_authorized(scope):
+                await self.app(scope, receive, send)
+            else:
+                error = APIError(401, "Open the dashboard as /dashboard?key=<API key>.", "invalid_request_error")
+                await error_response(error)(scope, receive, send)
+            return
         if scope["type"] != "http" or not scope["path"].startswith(GATED_PATHS):
             await self.app(scope, receive, send)
             return
@@ -178,17 +199,19 @@ async def run_unless_disconnected(request: Request, work: Awaitable[Any]) -> tup
 
 def build_app(core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer, *, served_model_name: str | None = None,
               api_key: str | None = None, max_queue: int | None = None, shutdown_timeout: float = 30.0,
-              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST) -> FastAPI:
+              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, price_per_hour: float | None = None) -> FastAPI:
     """The ASGI app over a started engine core process, which the app stops when it ends.
 
     `app.state.drain()` stops admitting, waits up to `shutdown_timeout` s for in-flight calls,
     aborts the rest (their responses get ABORT_FLUSH_S to end), and returns; the caller then
     stops the HTTP server. If the core dies, `app.state.exit(1)` is called ENGINE_DEAD_EXIT_S
-    later (the launcher sets it; by default nothing happens).
+    later (the launcher sets it; by default nothing happens). `price_per_hour` (USD) prices
+    the dashboard's tokens.
     """
     name = served_model_name or info.model_name
     metrics = ServerMetrics(name, info.max_num_seqs)
-    async_engine = AsyncEngine(core, info, tokenizer, max_queue=max_queue, observer=metrics)
+    live_stats = LiveStats(name, info.max_num_seqs, price_per_hour)
+    async_engine = AsyncEngine(core, info, tokenizer, max_queue=max_queue, observers=(metrics, live_stats))
     serving = OpenAIServing(async_engine, tokenizer, name, info.max_model_len, info.vocab_size,
                             max_seqs_per_request)
     state = ServerState()
@@ -214,6 +237,7 @@ def build_app(core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer, *, served
     tokenization = TokenizationServing(serving)
     app.state.engine = async_engine
     app.state.metrics = metrics
+    app.state.live_stats = live_stats
     app.state.serving = serving
     app.state.server_state = state
     app.state.exit = lambda status: None
@@ -286,6 +310,17 @@ def build_app(core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer, *, served
     async def prometheus() -> Response:
         body = metrics.render(async_engine.stats, async_engine.num_pending_seqs())
         return Response(body, media_type=CONTENT_TYPE)
+
+    @app.get("/v1/stats")
+    async def stats(since_step: int = -1) -> Response:
+        body = live_stats.snapshot(async_engine.stats, async_engine.num_pending_seqs(), since_step)
+        return JSONResponse(body, headers={"Cache-Control": "no-store"})
+
+    @app.get(DASHBOARD_PATH)
+    async def dashboard() -> Response:
+        # no-referrer: the page's URL may hold the key (it loads nothing else, but links might).
+        return Response(dashboard_page(), media_type="text/html; charset=utf-8",
+                        headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
 
     def card() -> ModelCard:
         return ModelCard(id=name, created=created, max_model_len=info.max_model_len)

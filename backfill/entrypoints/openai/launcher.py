@@ -58,6 +58,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
                         help="seconds a client gets to send a whole request (headers and body); then it is disconnected")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    parser.add_argument("--price-per-hour", type=float, default=None,
+                        help="USD per hour of the machine: /dashboard and /v1/stats show the cost per 1M output tokens")
     EngineConfig.add_cli_args(parser)
 
 
@@ -131,7 +133,9 @@ def run_server(args: argparse.Namespace) -> int:
     for flag, value, ok in (("--max-queue", args.max_queue, args.max_queue is None or args.max_queue >= 1),
                             ("--max-seqs-per-request", args.max_seqs_per_request, args.max_seqs_per_request >= 1),
                             ("--read-timeout", args.read_timeout, args.read_timeout > 0),
-                            ("--shutdown-timeout", args.shutdown_timeout, args.shutdown_timeout >= 0)):
+                            ("--shutdown-timeout", args.shutdown_timeout, args.shutdown_timeout >= 0),
+                            ("--price-per-hour", args.price_per_hour,
+                             args.price_per_hour is None or args.price_per_hour >= 0)):
         if not ok:
             logger.error("invalid %s: %s", flag, value)
             return 2
@@ -169,7 +173,7 @@ def _serve(args: argparse.Namespace, core: CoreProcess, info: CoreInfo, tokenize
     api_key = args.api_key or os.environ.get("BACKFILL_API_KEY") or None
     app = build_app(core, info, tokenizer, served_model_name=args.served_model_name, api_key=api_key,
                     max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
-                    max_seqs_per_request=args.max_seqs_per_request)
+                    max_seqs_per_request=args.max_seqs_per_request, price_per_hour=args.price_per_hour)
     # NOTE: h11 explicitly (not httptools, were it installed): the read timeout hooks into it.
     http = functools.partial(ReadTimeoutH11Protocol, read_timeout=args.read_timeout)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, access_log=args.access_log, http=http,
