@@ -4,6 +4,8 @@ under load, whose numbers must move and then agree with /metrics."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -12,6 +14,7 @@ import openai
 import pytest
 
 from backfill.bench.dashboard_browser import browser_available, dashboard_url, open_dashboard
+from backfill.entrypoints.openai.transport import redact_query
 from tests.server.harness import API_KEY, MODEL, ServerProcess, engine_idle, wait_until
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -78,7 +81,8 @@ def browser_ok() -> None:
 
 
 class Load:
-    """Streaming completions from a few threads until stopped: a server under steady load."""
+    """Streaming completions from a few threads until stopped, more sequences than the server's
+    32 slots (6 threads x n=6): a server under full load, requests waiting for a slot."""
 
     def __init__(self, server: ServerProcess, num_threads: int = 6) -> None:
         self.client = openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=300)
@@ -91,7 +95,7 @@ class Load:
             while not self.stop.is_set():
                 # Lengths differ by thread, so requests end at different steps and slots turn over.
                 stream = self.client.completions.create(
-                    model=MODEL, prompt=f"Request {index}: a batch slot left idle", max_tokens=12 + 6 * index,
+                    model=MODEL, prompt=f"Request {index}: a batch slot left idle", max_tokens=8 + 4 * index, n=6,
                     temperature=0.8, stream=True, extra_body={"ignore_eos": True})
                 for _ in stream:
                     pass
@@ -157,4 +161,12 @@ def test_the_page_under_load_moves_and_then_matches_metrics(server: ServerProces
     assert 0 < steps <= 300
     assert sum(_canvas_count(driver, name) for name in ("useful", "idle", "empty")) == steps * 32
     assert "feed unavailable" not in driver.find_element("id", "status").text  # type: ignore[attr-defined]
-    assert API_KEY not in server.log()  # the key in the page's URL is never logged
+    # The key in the page's URL never reaches the access log (--access-log), nor any other line.
+    assert redact_query(dashboard_url("", API_KEY)) == "/dashboard?key=***"
+    assert API_KEY not in server.log()
+
+
+def test_a_negative_price_is_refused_before_loading() -> None:
+    result = subprocess.run([sys.executable, "-m", "backfill.entrypoints.openai.api_server", "--price-per-hour", "-1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "invalid --price-per-hour: -1" in result.stderr

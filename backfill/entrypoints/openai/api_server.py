@@ -316,7 +316,7 @@ def build_app(core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer, *, served
         body = live_stats.snapshot(async_engine.stats, async_engine.num_pending_seqs(), since_step)
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
-    @app.get(DASHBOARD_PATH)
+    @app.get(DASHBOARD_PATH, include_in_schema=False)
     async def dashboard() -> Response:
         # no-referrer: the page's URL may hold the key (it loads nothing else, but links might).
         return Response(dashboard_page(), media_type="text/html; charset=utf-8",
