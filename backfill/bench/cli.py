@@ -275,14 +275,13 @@ def _run_with_dashboard(requests: list[Any], config: Any, page_open: bool) -> di
 
     if not page_open:
         return run_serve_benchmark(requests, config)
-    from backfill.bench.dashboard_browser import open_dashboard
+    from backfill.bench.dashboard_browser import num_polls, open_dashboard
 
     with open_dashboard(config.base_url, config.api_key) as driver:
-        status = driver.find_element("id", "status")
-        polls_before = int(status.get_attribute("data-polls") or 0)
+        polls_before = num_polls(driver)
         result = run_serve_benchmark(requests, config)
-        result["dashboard_polls"] = int(status.get_attribute("data-polls") or 0) - polls_before
-        result["dashboard_status"] = status.text
+        result["dashboard_polls"] = num_polls(driver) - polls_before
+        result["dashboard_status"] = driver.find_element("id", "status").text
     print(f"/dashboard polled /v1/stats {result['dashboard_polls']} times during the run "
           f"({result['dashboard_status']})")
     return result

@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from urllib.parse import quote
@@ -25,6 +26,7 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-dev-shm-usage", "--window-size=1280,1000")
 PAGE_LOAD_TIMEOUT_S = 60
+FIRST_POLL_TIMEOUT_S = 60.0
 
 
 def browser_available() -> str | None:
@@ -45,10 +47,16 @@ def dashboard_url(base_url: str, api_key: str | None = None) -> str:
     return url if api_key is None else f"{url}?key={quote(api_key, safe='')}"
 
 
+def num_polls(driver: WebDriver) -> int:
+    """How many times the page has read its feed successfully."""
+    return int(driver.find_element("id", "status").get_attribute("data-polls") or 0)
+
+
 @contextlib.contextmanager
 def open_dashboard(base_url: str, api_key: str | None = None) -> Iterator[WebDriver]:
     """A headless Chromium showing the dashboard until the block ends (its profile is a fresh
-    temporary folder, removed after). Raises RuntimeError if no browser is available."""
+    temporary folder, removed after), live: it has read its feed once. Raises RuntimeError if
+    no browser is available or the page did not read its feed within FIRST_POLL_TIMEOUT_S."""
     why = browser_available()
     if why is not None:
         raise RuntimeError(why)
@@ -65,6 +73,12 @@ def open_dashboard(base_url: str, api_key: str | None = None) -> Iterator[WebDri
     try:
         driver.set_page_load_timeout(PAGE_LOAD_TIMEOUT_S)
         driver.get(dashboard_url(base_url, api_key))
+        deadline = time.monotonic() + FIRST_POLL_TIMEOUT_S
+        while num_polls(driver) < 1:
+            if time.monotonic() > deadline:
+                status = driver.find_element("id", "status").text
+                raise RuntimeError(f"the dashboard did not read its feed within {FIRST_POLL_TIMEOUT_S} s: {status}")
+            time.sleep(0.1)
         yield driver
     finally:
         driver.quit()

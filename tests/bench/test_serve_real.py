@@ -97,3 +97,31 @@ def test_bench_serve_cli_sweep_excludes_the_warm_up_from_the_check(server_url: s
         assert 0 <= data["economics"]["wasted_slot_share"] <= 1
     assert proc.stdout.count("matches the") == 2
     assert (tmp_path / "serve_rate_sweep.png").exists() and (tmp_path / "serve_latency_cdf.png").exists()
+
+
+def test_bench_serve_with_the_dashboard_open_and_closed(server_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from backfill.bench.dashboard_browser import browser_available
+    from backfill.bench.workloads import save_workload
+
+    why = browser_available()
+    if why is not None:
+        if os.environ.get("CI"):  # the set-up (make test) installs it: missing there is a failure
+            pytest.fail(why)
+        pytest.skip(why)
+    workload = tmp_path / "w.jsonl"
+    save_workload(generate_workload(WorkloadSpec(num_requests=4, short_tokens=(2, 3), long_tokens=(6, 8), seed=3)), workload)
+    proc = subprocess.run(
+        [sys.executable, "-m", "backfill.bench.cli", "serve", "--base-url", server_url, "--workload", str(workload),
+         "--request-rate", "inf", "--result-file", str(tmp_path / "serve.json"), "--no-progress", "--num-warmups", "0",
+         "--dashboard", "both"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    closed = json.loads((tmp_path / "serve.json").read_text())
+    opened = json.loads((tmp_path / "serve-dashboard.json").read_text())
+    assert "dashboard_polls" not in closed and opened["dashboard_status"].startswith("live")
+    assert closed["total_output_tokens"] == opened["total_output_tokens"] > 0
+    ratio = opened["output_throughput"] / closed["output_throughput"]
+    assert f"ratio {ratio:.4f}" in proc.stdout
