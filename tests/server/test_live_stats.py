@@ -8,7 +8,7 @@ import pytest
 
 from backfill.core.outputs import StepStats
 from backfill.engine.messages import CoreLoad
-from backfill.entrypoints.openai.dashboard import TIMELINE_STEPS, LiveStats
+from backfill.entrypoints.openai.live_stats import TIMELINE_STEPS, LiveStats
 from backfill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -41,7 +41,7 @@ def test_totals_latencies_and_timeline() -> None:
     assert body["num_steps"] == 3
     assert body["ttft_ms"] == {"count": 1, "p50": 250.0, "p90": 250.0, "p99": 250.0}
     assert body["tpot_ms"]["p50"] == pytest.approx(500.0)  # (1.25 - 0.25) s over 2 tokens after the first
-    assert body["timeline"] == {"last_step": 3, "max_steps": TIMELINE_STEPS, "states": ["uiee"] * 3}
+    assert body["timeline"] == {"first_step": 1, "last_step": 3, "max_steps": TIMELINE_STEPS, "states": ["uiee"] * 3}
     # Three steps of 0.5 s in a 10 s window of 4 slots: 1.5 slot-seconds useful, 1.5 idle, the rest empty.
     assert body["rate_window_s"] == 10.0
     assert body["slot_shares"]["useful"] == pytest.approx(1.5 / 40)
@@ -51,7 +51,10 @@ def test_totals_latencies_and_timeline() -> None:
     assert body["prefix_cache"] == {"queries": 24, "hits": 6, "hit_rate": 0.25}
     assert body["cost"] is None  # no price
     # A client holding step 2 gets step 3 only.
-    assert live.snapshot(CoreLoad(), 0, since_step=2)["timeline"]["states"] == ["uiee"]
+    newer = live.snapshot(CoreLoad(), 0, since_step=2)["timeline"]
+    assert newer["states"] == ["uiee"] and newer["first_step"] == 3
+    assert live.snapshot(CoreLoad(), 0, since_step=3)["timeline"] == {
+        "first_step": None, "last_step": 3, "max_steps": TIMELINE_STEPS, "states": []}
 
 
 def test_cost_at_a_price() -> None:
@@ -83,6 +86,7 @@ def test_the_timeline_keeps_the_last_steps() -> None:
         live.on_step([], _stats(step, ["useful" if step % 2 else "idle"], duration=0.0))
     timeline = live.snapshot(CoreLoad(), 0)["timeline"]
     assert len(timeline["states"]) == TIMELINE_STEPS and timeline["last_step"] == TIMELINE_STEPS + 10
+    assert timeline["first_step"] == 11  # the oldest steps left the ring
     assert timeline["states"][-2:] == ["u", "i"]  # steps 309 and 310
     with pytest.raises(ValueError, match="price_per_hour"):
         LiveStats("m", 1, price_per_hour=-1.0)

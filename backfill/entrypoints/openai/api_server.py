@@ -40,7 +40,7 @@ from backfill.engine.async_engine import AsyncEngine, EngineStoppedError
 from backfill.engine.core_process import CoreProcess
 from backfill.engine.messages import CoreInfo
 from backfill import __version__
-from backfill.entrypoints.openai.dashboard import LiveStats, dashboard_page
+from backfill.entrypoints.openai.live_stats import LiveStats, dashboard_page
 from backfill.entrypoints.openai.http_extras import RequestIdMiddleware, add_request_schemas, request_body
 from backfill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from backfill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList

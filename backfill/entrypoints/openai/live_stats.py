@@ -25,7 +25,7 @@ import math
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -41,6 +41,18 @@ MAX_LATENCY_SAMPLES = 10_000
 PERCENTILES = (50, 90, 99)
 SLOT_CODES = {"useful": "u", "idle": "i", "empty": "e"}
 PAGE_PATH = Path(__file__).with_name("static") / "dashboard.html"
+
+
+class _StepRecord(NamedTuple):
+    """One message from the core, as the rate window needs it."""
+
+    time: float  # when it arrived here (time.monotonic())
+    duration: float  # of its step; 0: no step ran (the core only applied inputs)
+    num_useful: int  # slots
+    num_idle: int
+    num_output_tokens: int
+    num_prefix_cache_queries: int
+    num_prefix_cache_hits: int
 
 
 class LiveStats:
@@ -59,8 +71,7 @@ class LiveStats:
         self.start_time = time.monotonic()
         # (step, slot letters)
         self._timeline: deque[tuple[int, str]] = deque(maxlen=TIMELINE_STEPS)
-        # (arrival time here, step seconds, useful slots, idle slots, output tokens, cache queries, hits)
-        self._window: deque[tuple[float, float, int, int, int, int, int]] = deque()
+        self._window: deque[_StepRecord] = deque()
         self._ttft: deque[tuple[float, float]] = deque(maxlen=MAX_LATENCY_SAMPLES)
         self._tpot: deque[tuple[float, float]] = deque(maxlen=MAX_LATENCY_SAMPLES)
         self._first_token_seen: set[str] = set()  # requests in flight whose TTFT is recorded
@@ -79,14 +90,14 @@ class LiveStats:
             num_tokens += self._observe_output(output, now)
         self.num_output_tokens += num_tokens
         if stats is None:
-            self._window.append((now, 0.0, 0, 0, num_tokens, 0, 0))
+            self._window.append(_StepRecord(now, 0.0, 0, 0, num_tokens, 0, 0))
         else:
             self.num_steps += 1
             self._timeline.append((stats.step, "".join(SLOT_CODES.get(state, "e") for state in stats.slot_states)))
-            self._window.append((now, stats.duration, stats.num_slots_useful, stats.num_slots_idle, num_tokens,
-                                 stats.num_prefix_cache_queries, stats.num_prefix_cache_hits))
+            self._window.append(_StepRecord(now, stats.duration, stats.num_slots_useful, stats.num_slots_idle,
+                                            num_tokens, stats.num_prefix_cache_queries, stats.num_prefix_cache_hits))
         horizon = now - RATE_WINDOW_S
-        while self._window and self._window[0][0] < horizon:
+        while self._window and self._window[0].time < horizon:
             self._window.popleft()
 
     def _observe_output(self, output: RequestOutput, now: float) -> int:
@@ -115,22 +126,21 @@ class LiveStats:
 
     def snapshot(self, load: CoreLoad, num_waiting: int, since_step: int = -1) -> dict[str, Any]:
         """The /v1/stats body. `since_step`: the last timeline step the client has; only newer
-        steps are sent (all the buffer holds by default)."""
+        steps are sent (all the buffer holds by default; `first_step` says where they start, so
+        a client that fell behind the buffer sees the gap)."""
         now = time.monotonic()
         window_s = max(min(RATE_WINDOW_S, now - self.start_time), 1e-3)
         horizon = now - window_s
-        steps = [entry for entry in self._window if entry[0] >= horizon]
+        records = [record for record in self._window if record.time >= horizon]
         # Slot-seconds, of the window's num_slots x window_s: a step's slots last its duration.
-        useful_s = sum(duration * useful for _, duration, useful, _, _, _, _ in steps)
-        idle_s = sum(duration * idle for _, duration, _, idle, _, _, _ in steps)
         capacity_s = self.num_slots * window_s
-        useful_share = min(useful_s / capacity_s, 1.0)
-        idle_share = min(idle_s / capacity_s, 1.0 - useful_share)
+        useful_share = min(sum(r.duration * r.num_useful for r in records) / capacity_s, 1.0)
+        idle_share = min(sum(r.duration * r.num_idle for r in records) / capacity_s, 1.0 - useful_share)
         empty_share = 1.0 - useful_share - idle_share
-        num_tokens = sum(entry[4] for entry in steps)
-        queries = sum(entry[5] for entry in steps)
-        hits = sum(entry[6] for entry in steps)
-        timeline = [states for step, states in self._timeline if step > since_step]
+        num_tokens = sum(r.num_output_tokens for r in records)
+        queries = sum(r.num_prefix_cache_queries for r in records)
+        hits = sum(r.num_prefix_cache_hits for r in records)
+        timeline = [(step, states) for step, states in self._timeline if step > since_step]
         return {
             "model": self.model_name,
             "uptime_s": now - self.start_time,
@@ -149,8 +159,9 @@ class LiveStats:
             "ttft_ms": _percentiles(self._ttft, now - LATENCY_WINDOW_S),
             "tpot_ms": _percentiles(self._tpot, now - LATENCY_WINDOW_S),
             "cost": self._cost(window_s, num_tokens, idle_share, empty_share),
-            "timeline": {"last_step": self._timeline[-1][0] if self._timeline else since_step,
-                         "max_steps": TIMELINE_STEPS, "states": timeline},
+            "timeline": {"first_step": timeline[0][0] if timeline else None,
+                         "last_step": self._timeline[-1][0] if self._timeline else since_step,
+                         "max_steps": TIMELINE_STEPS, "states": [states for _, states in timeline]},
         }
 
     def _cost(self, window_s: float, num_tokens: int, idle_share: float, empty_share: float) -> dict[str, Any] | None:
