@@ -189,11 +189,10 @@ def _percentiles(samples: deque[tuple[float, float]], horizon: float) -> dict[st
     while samples and samples[0][0] < horizon:
         samples.popleft()
     values = [value for _, value in samples]
-    result: dict[str, Any] = {"count": len(values)}
-    points = np.percentile(values, PERCENTILES) * 1000.0 if values else [None] * len(PERCENTILES)
-    for p, point in zip(PERCENTILES, points):
-        result[f"p{p}"] = None if point is None else float(point)
-    return result
+    if not values:
+        return {"count": 0, **{f"p{p}": None for p in PERCENTILES}}
+    points = np.percentile(values, PERCENTILES) * 1000.0
+    return {"count": len(values), **{f"p{p}": float(point) for p, point in zip(PERCENTILES, points)}}
 
 
 def dashboard_page() -> bytes:
