@@ -151,12 +151,12 @@ def test_the_page_under_load_moves_and_then_matches_metrics(server: ServerProces
     # Load over: once the engine is idle, the page shows exactly what /metrics counts.
     assert wait_until(lambda: engine_idle(server), timeout=60)
     samples = server.metrics()
-    assert wait_until(lambda: _dom_number(driver, "output-total") == samples["backfill:generation_tokens_total"]
-                      and _dom_number(driver, "finished-total") == _finished(samples), PAGE_TIMEOUT_S), \
-        (_dom_number(driver, "output-total"), samples["backfill:generation_tokens_total"])
-    assert _dom_number(driver, "running") == samples["backfill:num_requests_running"] == 0
-    assert _dom_number(driver, "waiting") == samples["backfill:num_requests_waiting"] == 0
-    assert _dom_number(driver, "kv-usage") == samples["backfill:kv_cache_usage_perc"] == 0
+    final = {"output-total": samples["backfill:generation_tokens_total"], "finished-total": _finished(samples),
+             "running": samples["backfill:num_requests_running"], "waiting": samples["backfill:num_requests_waiting"],
+             "kv-usage": samples["backfill:kv_cache_usage_perc"]}
+    assert final["running"] == final["waiting"] == final["kv-usage"] == 0 < final["output-total"]
+    shown = lambda: {name: _dom_number(driver, name) for name in final}  # noqa: E731
+    assert wait_until(lambda: shown() == final, PAGE_TIMEOUT_S), (shown(), final)
     steps = _canvas_count(driver, "steps")
     assert 0 < steps <= 300
     assert sum(_canvas_count(driver, name) for name in ("useful", "idle", "empty")) == steps * 32
