@@ -78,17 +78,27 @@ def twin_drivers(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> t
     return drivers[0], drivers[1], scratch
 
 
-@torch.inference_mode()
 def test_padded_graph_step_equals_the_eager_step() -> None:
     """Prompts prefilled eagerly, then decode steps of 3, 5, 12 and 1 sequences (padded to 4, 8,
     12, 1) through the runner's buffers match an eager twin's logits; padding rows write only
     the scratch block; sequences past the smallest block budget take the next one."""
-    model = tiny_model("gqa2_hd16")
+    check_padded_steps(CPU, torch.float32, capture=False)
+
+
+@torch.inference_mode()
+def check_padded_steps(device: torch.device, dtype: torch.dtype, capture: bool, backend: str = "gather",
+                       atol: float = LOGITS_ATOL) -> None:
+    """The comparison above on `device` in `dtype`, replaying captured graphs when `capture`
+    (tests/gpu reuses it)."""
+    model = tiny_model("gqa2_hd16").to(device, dtype)
     block_size = 4
     eager, graphed, scratch = twin_drivers(model, num_blocks=400, block_size=block_size)
     runner = CudaGraphRunner(model, graphed.kv_caches, max_num_seqs=12, max_model_len=model.config.max_position_embeddings,
-                             scratch_block=scratch)
-    assert runner.sizes == [1, 2, 4, 8, 12] and runner.buckets == [16, 64]
+                             scratch_block=scratch, backend=backend)
+    assert runner.sizes == [1, 2, 4, 8, 12] and runner.buckets == ([16, 64] if backend == "gather" else [64])
+    if capture:
+        runner.capture()
+        assert len(runner.graphs) == len(runner.sizes) * len(runner.buckets)
     gen = torch.Generator().manual_seed(1)
     names = [f"s{i}" for i in range(12)]
     lengths = [5, 30, 58, 12, 70, 3, 88, 20, 45, 9, 66, 2]  # s5 stays under 16 blocks, s6 needs more
@@ -117,15 +127,15 @@ def test_padded_graph_step_equals_the_eager_step() -> None:
         for n, _ in batch:
             graphed.num_computed[n] += 1
         assert got.shape == want.shape
-        torch.testing.assert_close(got, want, atol=LOGITS_ATOL, rtol=0)
-    assert buckets_seen == {16, 64}
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    assert buckets_seen == set(runner.buckets)
     # Padding rows wrote the scratch block alone: every block no sequence owns is still zero.
     unowned = sorted(set(range(scratch)) - {b for table in graphed.block_tables.values() for b in table})
     assert graphed.free_blocks and set(graphed.free_blocks) <= set(unowned)
     for (k_eager, v_eager), (k_graph, v_graph) in zip(eager.kv_caches, graphed.kv_caches):
         assert not k_graph[unowned].any() and not v_graph[unowned].any() and k_graph[scratch].any()
-        torch.testing.assert_close(k_graph[:scratch], k_eager[:scratch], atol=LOGITS_ATOL, rtol=0)
-        torch.testing.assert_close(v_graph[:scratch], v_eager[:scratch], atol=LOGITS_ATOL, rtol=0)
+        torch.testing.assert_close(k_graph[:scratch], k_eager[:scratch], atol=atol, rtol=0)
+        torch.testing.assert_close(v_graph[:scratch], v_eager[:scratch], atol=atol, rtol=0)
     too_many = DecodeInputs([0] * 13, [0] * 13, [[0]] * 13, list(range(13)))
     too_long = DecodeInputs([0], [0], [[0] * 65], [0])
     assert runner.graph_key(too_many) is None and runner.graph_key(too_long) is None
