@@ -15,7 +15,6 @@ from backfill.worker.cuda_graph import (CudaGraphRunner, DecodeBuffers, DecodeIn
                                         decode_inputs, padded_size)
 from tests.kernels.test_decoder import tiny_model
 from tests.model.paged_driver import PagedDriver
-from tests.prompts import make_prompts
 
 CPU = torch.device("cpu")
 LOGITS_ATOL = 1e-5
@@ -143,22 +142,25 @@ def check_padded_steps(device: torch.device, dtype: torch.dtype, capture: bool, 
 
 def test_engine_decodes_through_the_graph_runner_as_it_does_eagerly() -> None:
     """The ModelRunner's graphed path (installed by hand on CPU, where it runs the padded step
-    eagerly) gives the eager engine's greedy tokens, with a grammar-free mix of lengths."""
+    eagerly) gives the eager engine's greedy tokens. The first step cannot take every prompt
+    (24 tokens), and a prompt budget of 2 units then feeds the rest one token a step beside the
+    decodes: steps of one token a row where a prompt's row samples nothing."""
     llm = LLM(dtype="float32", quantization="none", prepack_weights=False, max_num_seqs=8, enable_prefix_caching=False,
-              seed=0)
-    prompts = make_prompts(6, seed=3)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 5, 12, 1, 7)]
+              max_num_batched_tokens=24, prefill_budget=2, seed=0)
+    prompts = [[1 + (31 * i + 7 * j) % 4000 for j in range(length)] for i, length in enumerate((9, 14, 6, 11, 8))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 6, 1, 5, 3)]
     eager = [out.token_ids for out in llm.generate(prompts, params)]
     runner = llm.engine.runner
     graph_runner = CudaGraphRunner(runner.model, runner.kv_caches, 8, runner.max_model_len,  # type: ignore[arg-type]
                                    runner.scratch_block)
-    calls = []
+    calls: list[DecodeInputs] = []
     run = graph_runner.run
-    graph_runner.run = lambda step: calls.append(step.num_seqs) or run(step)  # type: ignore[method-assign]
+    graph_runner.run = lambda step: calls.append(step) or run(step)  # type: ignore[method-assign]
     runner.graph_runner = graph_runner
     try:
         graphed = [out.token_ids for out in llm.generate(prompts, params)]
     finally:
         runner.graph_runner = None
     assert graphed == eager
-    assert calls and max(calls) == 5  # decode steps went through the runner (the 1-token request never decodes)
+    assert calls and max(step.num_seqs for step in calls) >= 3  # padded: 3 rows run as 4
+    assert any(len(step.sample_rows) < step.num_seqs for step in calls)  # a prompt chunk's row rode along
