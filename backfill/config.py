@@ -71,6 +71,9 @@ class EngineConfig:
     # every this many steps since its arrival, so a low priority waits a bounded number of steps.
     priority_aging_steps: int = 100
     request_timeout: float | None = None  # seconds from arrival (queueing included); None: no limit
+    # CUDA: decode steps replay CUDA graphs captured at start-up (worker/cuda_graph.py); True
+    # runs every step eagerly. No effect on CPU.
+    enforce_eager: bool = False
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, exclude: Collection[str] = ()) -> None:
@@ -132,6 +135,8 @@ class EngineConfig:
         add("--request-timeout", type=float,
             help="seconds a request may take from arrival (queueing included) before it is aborted with "
                  "a 408 (default: no limit; a request's own request_timeout overrides it)")
+        add("--enforce-eager", action=argparse.BooleanOptionalAction,
+            help="CUDA: run every step eagerly instead of replaying CUDA graphs for decode steps")
         assert set(added) == set(defaults) - set(exclude), "every field has exactly one flag"
         parser.set_defaults(**{_CLI_FIELDS: tuple(added)})
 

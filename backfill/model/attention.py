@@ -22,6 +22,7 @@ Every index tensor and mask is built once per step in `build_attention_metadata`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,10 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     # --- per-sequence path ---
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # A fixed-shape decode step's attention kernel (model/static_decode.py: flash attention
+    # reading the block tables directly), called as fn(q, k_cache, v_cache, scale) in place of
+    # the paths above; None: the paths above.
+    decode_fn: Callable[[Tensor, Tensor, Tensor, float], Tensor] | None = None
     # Gather buffers reused by every layer of the step (filled in by the first layer).
     # NOTE: a fresh multi-MB tensor per layer costs page faults (glibc hands big blocks back
     # to the OS on free); reusing one buffer made the decode gather ~5x faster on CPU.
@@ -167,11 +172,8 @@ def build_attention_metadata(
         rows = [query_start[i] for i in group]
         group_blocks = (max(seq_lens[i] for i in group) + block_size - 1) // block_size
         ids = cpu_tables[torch.tensor(group), :group_blocks]  # [n, group_blocks], 0-padded
-        kv_pos = torch.arange(group_blocks * block_size, device=device)  # [L_pad]
         lens = as_tensor([seq_lens[i] for i in group])  # [n]
-        visible = kv_pos[None, :] < lens[:, None]  # [n, L_pad]
-        if sliding_window is not None:  # the query sits at position len - 1
-            visible &= kv_pos[None, :] >= lens[:, None] - sliding_window
+        visible = decode_visible(lens, group_blocks * block_size, sliding_window)  # [n, L_pad]
         meta.decode_groups.append(
             DecodeGroup(
                 num_seqs=len(group),
@@ -208,6 +210,17 @@ def build_attention_metadata(
             )
         )
     return cpu_positions.to(device), meta  # positions: [T]
+
+
+def decode_visible(seq_lens: Tensor, padded_len: int, sliding_window: int | None) -> Tensor:
+    """Which of `padded_len` gathered key slots each decode query attends to: seq_lens [n]
+    (tokens in the cache, the query's own included: it sits at position seq_len - 1)
+    -> [n, padded_len] bool. Device ops only (no host sync), so a CUDA graph can capture it."""
+    kv_pos = torch.arange(padded_len, device=seq_lens.device)  # [L_pad]
+    visible = kv_pos[None, :] < seq_lens[:, None]  # [n, L_pad]
+    if sliding_window is not None:
+        visible &= kv_pos[None, :] >= seq_lens[:, None] - sliding_window
+    return visible
 
 
 def _group_by_length(seqs: list[int], seq_lens: list[int], block_size: int) -> list[list[int]]:
@@ -254,6 +267,8 @@ def paged_attention(
     q: [T, num_heads, head_dim] (any strides; rows in flat-batch order) -> [T, num_heads, head_dim].
     The caches must already hold this step's K/V (call write_kv first).
     """
+    if meta.decode_fn is not None:
+        return meta.decode_fn(q, k_cache, v_cache, scale)  # [T, H, D]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -15,6 +15,8 @@ from backfill.model.cpu_decoder import CpuDecoder, unsupported_reason
 from backfill.model.llama import LlamaForCausalLM
 from backfill.model.loader import load_model, load_stored_weights, resolve_dtype
 from backfill.model.prepack import prepack_supported
+from backfill.model.static_decode import varlen_supported
+from backfill.worker.cuda_graph import CudaGraphRunner, DecodeInputs, decode_inputs
 from backfill.worker.input_batch import build_batch
 from backfill.worker.sampler import Sampler
 
@@ -70,6 +72,22 @@ class ModelRunner:
             device=self.device,
             seed=config.seed,
         )
+        self.graph_runner: CudaGraphRunner | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and isinstance(self.model, LlamaForCausalLM):
+            self.graph_runner = self._capture_graphs()
+
+    def _capture_graphs(self) -> CudaGraphRunner:
+        """Decode graphs over flash attention reading the paged cache where it runs here (see
+        model/static_decode.py), else over the portable gather kernel."""
+        cfg = self.model_config
+        reason = varlen_supported(self.device, self.dtype, self.block_size, cfg.num_heads, cfg.num_kv_heads,
+                                  cfg.head_dim)
+        if reason is not None:
+            logger.info("decode graphs use the gather attention kernel: %s", reason)
+        runner = CudaGraphRunner(self.model, self.kv_caches, self.config.max_num_seqs,  # type: ignore[arg-type]
+                                 self.max_model_len, self.scratch_block, "gather" if reason else "varlen")
+        runner.capture()
+        return runner
 
     def _load_model(self) -> LlamaForCausalLM | CpuDecoder:
         """The CPU kernels' fused decoder over weights as stored where they apply (CPU, fp32
@@ -150,6 +168,9 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
 
+        decode = None if self.graph_runner is None else decode_inputs(scheduler_output)
+        if decode is not None and self.graph_runner is not None and self.graph_runner.graph_key(decode) is not None:
+            return self._execute_graphed(scheduler_output, decode, grammar_bitmask)
         batch = build_batch(scheduler_output, self.block_size, self.device, self.scratch_block,
                             self.model_config.sliding_window,
                             plan_torch_attention=not isinstance(self.model, CpuDecoder))
@@ -166,3 +187,17 @@ class ModelRunner:
             sampled_token_ids=sampled.token_ids,
             logprobs=sampled.logprobs,
         )
+
+    def _execute_graphed(self, scheduler_output: SchedulerOutput, decode: DecodeInputs,
+                         grammar_bitmask: GrammarBitmask | None) -> ModelRunnerOutput:
+        """A decode-only step through the captured graphs (padded rows already dropped)."""
+        assert self.graph_runner is not None
+        logits = self.graph_runner.run(decode)  # [n, vocab] float32
+        if not decode.sample_rows:
+            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
+        if len(decode.sample_rows) < decode.num_seqs:
+            logits = logits[decode.sample_rows]  # [S_sample, vocab]
+        request_ids = [scheduler_output.scheduled[i].request_id for i in decode.sample_rows]
+        sampled = self.sampler.sample(request_ids, logits, grammar_bitmask)
+        return ModelRunnerOutput(request_ids=request_ids, sampled_token_ids=sampled.token_ids,
+                                 logprobs=sampled.logprobs)

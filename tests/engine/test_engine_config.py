@@ -21,7 +21,7 @@ VALUES: dict[str, Any] = {
     "num_kv_blocks": 7, "block_size": 8, "max_model_len": 512, "dtype": "bfloat16", "quantization": "int8",
     "device": "cuda:1", "seed": 5, "num_threads": 2, "prefill_budget": 0, "static_padding": False,
     "prepack_weights": False, "enable_prefix_caching": False, "scheduling_policy": "priority",
-    "priority_aging_steps": 7, "request_timeout": 2.5,
+    "priority_aging_steps": 7, "request_timeout": 2.5, "enforce_eager": True,
 }
 
 
@@ -53,7 +53,8 @@ def test_every_field_is_set_by_its_flag() -> None:
 def test_booleans_take_both_forms() -> None:
     for flag, expected in (("--static-padding", True), ("--no-static-padding", False),
                            ("--prepack-weights", True), ("--no-prepack-weights", False),
-                           ("--enable-prefix-caching", True), ("--no-enable-prefix-caching", False)):
+                           ("--enable-prefix-caching", True), ("--no-enable-prefix-caching", False),
+                           ("--enforce-eager", True), ("--no-enforce-eager", False)):
         name = flag.removeprefix("--no-").removeprefix("--").replace("-", "_")
         assert getattr(EngineConfig.from_cli_args(_parse([flag])), name) is expected
 

@@ -30,6 +30,7 @@ def make_step(
     num_blocks: int,
     seed: int,
     sliding_window: int | None = None,
+    device: torch.device = CPU,
 ) -> tuple[torch.Tensor, object, list[list[int]]]:
     """Random non-contiguous block tables (with spare trailing blocks) for one step."""
     rng = random.Random(seed)
@@ -39,7 +40,7 @@ def make_step(
     for nc, q in zip(num_computed, query_lens):
         needed = -(-(nc + q) // block_size) + rng.randint(0, 2)  # some tables over-allocated
         tables.append([free.pop() for _ in range(needed)])
-    positions, meta = build_attention_metadata(num_computed, query_lens, tables, block_size, CPU, sliding_window)
+    positions, meta = build_attention_metadata(num_computed, query_lens, tables, block_size, device, sliding_window)
     return positions, meta, tables
 
 
@@ -63,18 +64,24 @@ CASES = {
 def test_paged_matches_naive(
     dtype: torch.dtype, case: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> None:
+    check_paged_matches_naive(dtype, case, num_heads, num_kv_heads, head_dim, block_size, CPU)
+
+
+def check_paged_matches_naive(dtype: torch.dtype, case: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                              block_size: int, device: torch.device) -> None:
+    """paged_attention == naive_attention on `device` for one of CASES (tests/gpu reuses it)."""
     num_computed, query_lens = CASES[case]
     num_blocks = 800
     gen = torch.Generator().manual_seed(zlib.crc32(f"{case}-{num_heads}-{block_size}".encode()))
-    positions, meta, _ = make_step(num_computed, query_lens, block_size, num_blocks, seed=3)
+    positions, meta, _ = make_step(num_computed, query_lens, block_size, num_blocks, seed=3, device=device)
     num_tokens = sum(query_lens)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     # Every slot holds random data, including slots no sequence owns: reading one would show.
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    q = (2 * torch.randn(num_tokens, num_heads, head_dim, generator=gen)).to(dtype)
+    k_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    q = (2 * torch.randn(num_tokens, num_heads, head_dim, generator=gen)).to(device, dtype)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     scale = head_dim**-0.5
 

@@ -34,8 +34,13 @@ def test_prefill_and_decode_logits_match_transformers(
     """Prefill (in two chunks) then 20 greedy decode steps through our paged cache, three
     sequences sharing every step; then one transformers forward over each final sequence must
     give the same logits at every position we computed, and the same greedy tokens."""
-    prompts = prompt_ids
-    driver = PagedDriver(engine_model, num_blocks=64, block_size=16, seed=1)
+    check_matches_transformers(engine_model, hf_model, prompt_ids, LOGITS_ATOL)
+
+
+def check_matches_transformers(model: LlamaForCausalLM, hf_model: torch.nn.Module, prompts: list[list[int]],
+                               atol: float) -> None:
+    """The comparison above for `model` on any device (transformers' model stays on the CPU)."""
+    driver = PagedDriver(model, num_blocks=64, block_size=16, seed=1)
     names = [f"s{i}" for i in range(len(prompts))]
     # Step 1: first half of each prompt. Step 2: the rest (chunked prefill over a cached prefix).
     halves = [len(p) // 2 for p in prompts]
@@ -53,9 +58,9 @@ def test_prefill_and_decode_logits_match_transformers(
 
     for i, (p, seq) in enumerate(zip(prompts, sequences)):
         ref = hf_model(torch.tensor([seq])).logits[0, len(p) - 1 :]  # [1 + steps, vocab]
-        got = torch.stack(ours[i])  # [1 + steps, vocab]
+        got = torch.stack(ours[i]).cpu()  # [1 + steps, vocab]
         err = (got - ref).abs().max().item()
-        assert err < LOGITS_ATOL, f"sequence {i}: max |ours - transformers| = {err}"
+        assert err < atol, f"sequence {i}: max |ours - transformers| = {err}"
         # greedy choices agree at every step (the next token fed was our argmax)
         assert got.argmax(-1).tolist() == ref.argmax(-1).tolist()
 
@@ -79,6 +84,12 @@ def test_bfloat16_model_tracks_float32(
 ) -> None:
     """The production dtype: bf16 weights, activations and KV cache stay close to fp32
     (bf16 keeps ~3 significant digits, so only a loose agreement is expected)."""
+    check_bfloat16_tracks_float32(our_model, bf16_model, prompt_ids)
+
+
+def check_bfloat16_tracks_float32(our_model: LlamaForCausalLM, bf16_model: LlamaForCausalLM,
+                                  prompt_ids: list[list[int]]) -> None:
+    """The comparison above, for the two models on any one device."""
     assert bf16_model.embed_tokens.weight.dtype == torch.bfloat16
     rows: dict[str, torch.Tensor] = {}
     tokens: list[list[int]] = []  # fp32's greedy first tokens, fed to both models

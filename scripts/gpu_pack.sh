@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Prepare, on a machine that reaches the package registries, what scripts/gpu_check.sh needs on
+# a GPU machine that reaches none, in .gpu_assets/ (git-ignored through .git/info/exclude):
+#   .gpu_assets/1/wheels  backfill's Python dependencies such a machine lacks (its torch, numpy,
+#                         safetensors... are its own), for CPython 3.12 on x86-64
+#   .gpu_assets/{1,2}/model  the default GGUF cut in parts, with its checksum and part count
+# Each of the two folders fits one device call's 64 MiB beside the repo. Usage:
+#   scripts/gpu_pack.sh            (PYTHON=... to choose the pip)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+ASSETS=.gpu_assets
+PART_MB=40
+# Not on the device image (or older there): the GGUF reader, the engine core's message codec,
+# and the transformers / tokenizers backfill is tested with (its GGUF tokenizer mirrors 5.23).
+WHEELS=(gguf==0.19.0 msgspec==0.23.0 transformers==5.23.0 tokenizers==0.23.3)
+
+exclude=$(git rev-parse --git-path info/exclude)
+grep -qx "/$ASSETS/" "$exclude" 2>/dev/null || echo "/$ASSETS/" >>"$exclude"
+rm -rf "$ASSETS"
+mkdir -p "$ASSETS/1/wheels" "$ASSETS/1/model" "$ASSETS/2/model"
+
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$ASSETS/1/wheels" "${WHEELS[@]}"
+
+model=$("$PY" -c "from backfill.model_files import default_model_path as p; print(p())")
+name=$(basename "$model")
+split -b "${PART_MB}M" -d "$model" "$ASSETS/1/model/$name.part"
+num_parts=$(ls "$ASSETS/1/model/" | wc -l)
+for part in "$ASSETS"/1/model/"$name".part*; do
+    [ "$part" = "$ASSETS/1/model/$name.part00" ] || mv "$part" "$ASSETS/2/model/"
+done
+{ sha256sum "$model" | cut -d' ' -f1; echo "$num_parts"; } | tee "$ASSETS/1/model/$name.sha256" >"$ASSETS/2/model/$name.sha256"
+du -sh "$ASSETS"/1 "$ASSETS"/2
