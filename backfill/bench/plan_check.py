@@ -51,6 +51,8 @@ def add_check_arguments(check: argparse.ArgumentParser) -> None:
     check.add_argument("--recalibrate", action="store_true", help="calibrate and probe even if the file exists")
     check.add_argument("--compare-max-model-len", type=int, default=1024, help="bench compare's --max-model-len")
     check.add_argument("--port", type=int, default=0, help="the servers' port (0: a free one)")
+    check.add_argument("--num-threads", type=int, default=None,
+                       help="torch threads of every engine (calibration, servers, compare); default: torch's")
     check.add_argument("--result-file", default="bench_results/plan_check.json")
     _add_spec_arguments(check)
 
@@ -62,12 +64,13 @@ def _free_port() -> int:
 
 
 @contextmanager
-def real_server(max_num_seqs: int, port: int) -> Iterator[str]:
-    """`backfill serve --max-num-seqs N` (every other flag at its default) on loopback."""
+def real_server(max_num_seqs: int, port: int, num_threads: int | None = None) -> Iterator[str]:
+    """`backfill serve --max-num-seqs N [--num-threads T]` (every other flag at its default) on loopback."""
     port = port or _free_port()
     log = open(Path("bench_results") / f"plan_check_server_{max_num_seqs}.log", "w")
+    threads = [] if num_threads is None else ["--num-threads", str(num_threads)]
     proc = subprocess.Popen([sys.executable, "-m", "backfill.entrypoints.cli", "serve", "--port", str(port),
-                             "--max-num-seqs", str(max_num_seqs)], stdout=log, stderr=subprocess.STDOUT,
+                             "--max-num-seqs", str(max_num_seqs), *threads], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -130,14 +133,15 @@ def run_check(args: argparse.Namespace) -> int:
     requests = _workload_from_args(args)
     save_workload(requests, Path(args.result_file).with_suffix(".workload.jsonl"))
     fresh = args.recalibrate or not Path(args.calibration).exists()
-    calibration = run_calibration(EngineConfig(), show_progress=True) if fresh else Calibration.load(args.calibration)
+    engine = EngineConfig(num_threads=args.num_threads)
+    calibration = run_calibration(engine, show_progress=True) if fresh else Calibration.load(args.calibration)
     encode = load_tokenizer(None).encode
     rows: list[dict[str, Any]] = []
     measured_runs: dict[str, Any] = {}
     for max_num_seqs in args.check_max_num_seqs:
-        with real_server(max_num_seqs, args.port) as url:
+        with real_server(max_num_seqs, args.port, args.num_threads) as url:
             if fresh:  # probe once, with the first server
-                calibration = probe_server(url, calibration, EngineConfig(), min(4, max_num_seqs))
+                calibration = probe_server(url, calibration, engine, min(4, max_num_seqs))
                 calibration.save(args.calibration)
                 fresh = False
                 print(f"wrote {args.calibration}", flush=True)
@@ -161,7 +165,8 @@ def _compare_row(requests: list[WorkloadRequest], calibration: Calibration, args
     from backfill.bench.compare import CompareConfig, run_compare
     from backfill.bench.simulator import simulate
 
-    engine = EngineConfig(max_num_seqs=args.compare_batch_size, max_model_len=args.compare_max_model_len)
+    engine = EngineConfig(max_num_seqs=args.compare_batch_size, max_model_len=args.compare_max_model_len,
+                          num_threads=args.num_threads)
     report, _ = run_compare(requests, CompareConfig(engine=engine, repeats=args.compare_repeats,
                                                     systems=("continuous", "static"), show_progress=False))
     measured = report["ratios"]["continuous_vs_static_output_throughput"]
