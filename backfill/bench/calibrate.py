@@ -68,16 +68,18 @@ def run_calibration(config: EngineConfig, show_progress: bool = False,
     warm_up(engine)
     shapes: list[StepShape] = []
     seconds: list[float] = []
+    overheads: list[float] = []
     started = time.monotonic()
     for number, scenario in enumerate(scenarios):
-        s, t = _run_scenario(engine, scenario, tag=f"calib{number}")
+        s, t, o = _run_scenario(engine, scenario, tag=f"calib{number}")
         shapes += s
         seconds += t
+        overheads += o
         if show_progress:
             print(f"calibration {number + 1}/{len(scenarios)}: {scenario} ({len(s)} steps)", flush=True)
     runner = engine.runner
     return calibration_from_steps(
-        shapes, seconds,
+        shapes, seconds, overheads,
         context_cost=runner.context_cost, max_position_embeddings=runner.model_config.max_position_embeddings,
         kv_bytes_per_token=runner.kv_bytes_per_token,
         description={"host": describe_host(), "model": engine.model_name, "dtype": str(runner.dtype),
@@ -89,14 +91,17 @@ def _prompt(seed: int, length: int) -> list[int]:
     return [(100 + 7 * seed + 13 * j) % 40000 + 10 for j in range(length)]
 
 
-def _run_scenario(engine: LLMEngine, scenario: Scenario, tag: str) -> tuple[list[StepShape], list[float]]:
-    """Run one scenario to the end; every step's shape and wall time."""
+def _run_scenario(engine: LLMEngine, scenario: Scenario, tag: str
+                  ) -> tuple[list[StepShape], list[float], list[float]]:
+    """Run one scenario to the end; every step's shape, the core's time for it, and the time
+    `LLMEngine.step()` spent after it (output processing)."""
     from backfill.bench.offline import greedy_params
 
     scheduler = engine.scheduler
     schedule = scheduler.schedule
     shapes: list[StepShape] = []
     seconds: list[float] = []
+    overheads: list[float] = []
 
     def recording_schedule(now: float | None = None):  # type: ignore[no-untyped-def]
         output = schedule(now)
@@ -105,9 +110,12 @@ def _run_scenario(engine: LLMEngine, scenario: Scenario, tag: str) -> tuple[list
 
     def run_until(done: object) -> None:
         while engine.has_unfinished_requests() and not done():  # type: ignore[operator]
+            start = time.monotonic()
             engine.step()
+            wall = time.monotonic() - start
             if engine.last_step_stats is not None:
                 seconds.append(engine.last_step_stats.duration)
+                overheads.append(max(wall - engine.last_step_stats.duration, 0.0))
 
     params = greedy_params(scenario.num_decode_steps + 1)
     scheduler.schedule = recording_schedule  # type: ignore[method-assign]  # NOTE: this instance only
@@ -127,8 +135,8 @@ def _run_scenario(engine: LLMEngine, scenario: Scenario, tag: str) -> tuple[list
         del scheduler.schedule
     assert len(shapes) == len(seconds)
     # Empty steps (nothing scheduled) are not model steps
-    kept = [(s, t) for s, t in zip(shapes, seconds) if s.num_tokens]
-    return [s for s, _ in kept], [t for _, t in kept]
+    kept = [i for i, s in enumerate(shapes) if s.num_tokens]
+    return [shapes[i] for i in kept], [seconds[i] for i in kept], [overheads[i] for i in kept]
 
 
 def probe_server(base_url: str, calibration: Calibration, config: EngineConfig, num_slots: int = 4) -> Calibration:
@@ -147,6 +155,8 @@ def probe_server(base_url: str, calibration: Calibration, config: EngineConfig, 
     # 2. A small batch at once: its TPOT against the simulated decode steps.
     batch = [WorkloadRequest(max_tokens=64, prompt_token_ids=_prompt(600 + i, 32), arrival_time=0.0)
              for i in range(num_slots)]
+    # Warm-up: the server's first steps at each batch shape pay one-time costs (as warm_up here)
+    run_serve_benchmark([replace(r, max_tokens=8) for r in batch], bench)
     measured_singles = run_serve_benchmark(singles, bench)
     measured_batch = run_serve_benchmark(batch, bench)
     for measured in (measured_singles, measured_batch):

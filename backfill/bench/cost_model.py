@@ -44,6 +44,7 @@ class StepShape:
     num_tokens: int
     num_seqs: int
     num_kv_tokens: int
+    num_sampled: int = 0  # sequences that get a token (not a feature of the fit: see Calibration)
 
     def features(self) -> list[float]:
         return [1.0, float(self.num_tokens), float(self.num_seqs), float(self.num_kv_tokens)]
@@ -54,7 +55,8 @@ def step_shape(output: SchedulerOutput) -> StepShape:
     num_padding = len(output.padding_seq_lens)
     kv = sum(s.num_computed_tokens + s.num_tokens for s in output.scheduled) + sum(output.padding_seq_lens)
     return StepShape(num_tokens=output.num_batched_tokens + num_padding,
-                     num_seqs=len(output.scheduled) + num_padding, num_kv_tokens=kv)
+                     num_seqs=len(output.scheduled) + num_padding, num_kv_tokens=kv,
+                     num_sampled=sum(1 for s in output.scheduled if s.sample))
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,16 @@ class Calibration:
     kv_bytes_per_token: int = 0
     frontend_s: float = 0.0
     served_step_factor: float = 1.0
+    # In-process (LLMEngine.step, as bench offline / compare run it): the output processing
+    # (detokenizing) after the core's step, per step and per token it returns.
+    offline_step_s: float = 0.0
+    offline_token_s: float = 0.0
     description: dict[str, Any] = field(default_factory=dict)  # host, model, threads, fit quality
     samples: list[tuple[int, int, int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for name in ("intercept_s", "per_token_s", "per_seq_s", "per_kv_token_s", "frontend_s"):
+        for name in ("intercept_s", "per_token_s", "per_seq_s", "per_kv_token_s", "frontend_s", "offline_step_s",
+                     "offline_token_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
@@ -89,10 +96,13 @@ class Calibration:
             raise ValueError("a step must cost some time: intercept_s, per_token_s and per_seq_s are all 0")
 
     def step_time(self, shape: StepShape, served: bool = True) -> float:
-        """Seconds the step takes (in a server when `served`: times `served_step_factor`)."""
+        """Seconds the step takes: in a server's core process when `served` (times
+        `served_step_factor`), else in-process with its output processing."""
         seconds = (self.intercept_s + self.per_token_s * shape.num_tokens + self.per_seq_s * shape.num_seqs
                    + self.per_kv_token_s * shape.num_kv_tokens)
-        return seconds * (self.served_step_factor if served else 1.0)
+        if served:
+            return seconds * self.served_step_factor
+        return seconds + self.offline_step_s + self.offline_token_s * shape.num_sampled
 
     def num_kv_blocks(self, config: EngineConfig) -> int:
         """The KV pool a real engine of `config` allocates."""
@@ -160,9 +170,15 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coefficients
 
 
-def calibration_from_steps(shapes: Sequence[StepShape], seconds: Sequence[float], **facts: Any) -> Calibration:
-    """Fit the step-time model on measured steps; `facts` are the other Calibration fields."""
+def calibration_from_steps(shapes: Sequence[StepShape], seconds: Sequence[float],
+                           overheads: Sequence[float] | None = None, **facts: Any) -> Calibration:
+    """Fit the step-time model on measured steps; `overheads`: each step's output processing
+    in-process (seconds), fitted per step and per sampled token; `facts`: other Calibration fields."""
     (intercept, per_token, per_seq, per_kv), error = fit_step_times(shapes, seconds)
+    if overheads:
+        x = np.array([[1.0, float(s.num_sampled)] for s in shapes])  # [num_steps, 2]
+        facts["offline_step_s"], facts["offline_token_s"] = (
+            float(c) for c in _nonnegative_lstsq(x, np.array(overheads, dtype=float)))
     description = {**facts.pop("description", {}), "num_steps": len(shapes), "median_relative_fit_error": error}
     samples = [(s.num_tokens, s.num_seqs, s.num_kv_tokens, float(t)) for s, t in zip(shapes, seconds)]
     return Calibration(intercept_s=intercept, per_token_s=per_token, per_seq_s=per_seq, per_kv_token_s=per_kv,

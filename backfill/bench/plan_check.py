@@ -2,7 +2,8 @@
 
 1. The calibration (made here when missing, or with --recalibrate): the engine's steps in
    this process, then a probe of the first server for the front end's terms.
-2. For each --max-num-seqs: a real `backfill serve` on loopback; `bench serve` replays the
+2. For each --max-num-seqs: a real `backfill serve --max-num-seqs N` on loopback (other flags at
+   their defaults); `bench serve` replays the
    workload at each --request-rate (seeded arrivals, as the planner draws them); the planner
    predicts the same run. Output throughput must be within 15%, median TTFT and TPOT within 25%.
 3. `bench compare` (continuous and static, in-process) on the workload as written; the
@@ -15,21 +16,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from backfill.bench.cli import _add_spec_arguments, _rate, _workload_from_args, _write_json
 from backfill.bench.cost_model import Calibration
+from backfill.bench.local_server import local_server
 from backfill.bench.planner import PlanPoint, run_point, sim_requests
 from backfill.bench.workloads import WorkloadRequest, at_rate, save_workload
 from backfill.config import EngineConfig
@@ -37,7 +31,6 @@ from backfill.config import EngineConfig
 THROUGHPUT_TOLERANCE = 0.15
 LATENCY_TOLERANCE = 0.25
 RATIO_TOLERANCE = 0.15
-SERVER_START_TIMEOUT_S = 300.0
 
 
 def add_check_arguments(check: argparse.ArgumentParser) -> None:
@@ -55,46 +48,6 @@ def add_check_arguments(check: argparse.ArgumentParser) -> None:
                        help="torch threads of every engine (calibration, servers, compare); default: torch's")
     check.add_argument("--result-file", default="bench_results/plan_check.json")
     _add_spec_arguments(check)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def real_server(max_num_seqs: int, port: int, num_threads: int | None = None) -> Iterator[str]:
-    """`backfill serve --max-num-seqs N [--num-threads T]` (every other flag at its default) on loopback."""
-    port = port or _free_port()
-    log = open(Path("bench_results") / f"plan_check_server_{max_num_seqs}.log", "w")
-    threads = [] if num_threads is None else ["--num-threads", str(num_threads)]
-    proc = subprocess.Popen([sys.executable, "-m", "backfill.entrypoints.cli", "serve", "--port", str(port),
-                             "--max-num-seqs", str(max_num_seqs), *threads], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}; see {log.name}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server was not healthy within {SERVER_START_TIMEOUT_S:.0f} s")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def _row(config: str, metric: str, predicted: float, measured: float, tolerance: float) -> dict[str, Any]:
@@ -139,7 +92,11 @@ def run_check(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     measured_runs: dict[str, Any] = {}
     for max_num_seqs in args.check_max_num_seqs:
-        with real_server(max_num_seqs, args.port, args.num_threads) as url:
+        flags = ["--max-num-seqs", str(max_num_seqs)]
+        if args.num_threads is not None:
+            flags += ["--num-threads", str(args.num_threads)]
+        log = Path("bench_results") / f"plan_check_server_{max_num_seqs}.log"
+        with local_server(flags, log, args.port) as url:
             if fresh:  # probe once, with the first server
                 calibration = probe_server(url, calibration, engine, min(4, max_num_seqs))
                 calibration.save(args.calibration)

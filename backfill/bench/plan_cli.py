@@ -11,7 +11,6 @@ is missing) and the model's tokenizer to count prompt tokens as the server does.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,6 @@ from backfill.bench.cli import _add_spec_arguments, _rate, _workload_from_args, 
 from backfill.bench.cost_model import Calibration
 from backfill.bench.simulator import ROUTINGS
 from backfill.config import POLICIES, EngineConfig
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_CALIBRATION = Path("bench_results") / "plan_calibration.json"
 
@@ -165,20 +162,3 @@ def run_plan(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, MissingExtraError) as error:
         print(f"backfill plan: {error}", file=sys.stderr)
         return 2
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m backfill.bench.plan_cli")
-    parser.add_argument("--log-level", default="WARNING")
-    add_plan_subparser(parser.add_subparsers(dest="command", required=True))
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "plan":
-        argv = ["plan"] + argv
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run_plan(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-

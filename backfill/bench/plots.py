@@ -143,12 +143,7 @@ def plot_rate_sweep(series: Mapping[str, Sequence[Mapping[str, Any]]], path: str
     ax_ttft.set_xlabel("request rate (req/s)")
     ax_ttft.set_ylabel("p99 TTFT (ms)")
     ax_ttft.set_yscale("log")
-    for ax in (ax_tp, ax_ttft):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=9)
-    fig.suptitle("Throughput and tail latency vs offered load")
-    fig.tight_layout()
-    return _save(fig, path)
+    return _finish(fig, (ax_tp, ax_ttft), "Throughput and tail latency vs offered load", path)
 
 
 def plot_latency_cdf(series: Mapping[str, Mapping[str, Sequence[float]]], path: str | Path) -> Path:
@@ -200,10 +195,16 @@ def plot_plan(rows: Sequence[Mapping[str, Any]], slo: Mapping[str, float], choic
     ax_cost.set_xlabel("cost per 1M output tokens (USD)")
     ax_cost.set_ylabel("p99 TTFT (ms)")
     ax_cost.set_yscale("log")
-    for ax in (ax_tp, ax_cost):
+    return _finish(fig, (ax_tp, ax_cost), "Capacity plan (simulated on the calibrated step-time model)", path,
+                   legend_size=8)
+
+
+def _finish(fig: Any, axes: Sequence[Any], title: str, path: str | Path, legend_size: int = 9) -> Path:
+    """Grid and legend on every axis, the title, then save."""
+    for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("Capacity plan (simulated on the calibrated step-time model)")
+        ax.legend(fontsize=legend_size)
+    fig.suptitle(title)
     fig.tight_layout()
     return _save(fig, path)
 

@@ -80,6 +80,9 @@ def test_served_step_factor_scales_every_step() -> None:
     offline = simulate(requests, config(), constant(served_step_factor=2.0), served=False)
     served = simulate(requests, config(), constant(served_step_factor=2.0))
     assert served.duration == pytest.approx(2 * offline.duration)
+    # In-process, each step also pays its output processing: per step and per token returned.
+    in_process = simulate(requests, config(), constant(offline_step_s=0.001, offline_token_s=0.002), served=False)
+    assert in_process.duration == pytest.approx(5 * (STEP_S + 0.001 + 0.002))
 
 
 def test_step_time_follows_the_shape() -> None:
@@ -96,7 +99,7 @@ def test_step_shape_counts_padding_rows() -> None:
     output = SchedulerOutput(scheduled=[ScheduledRequest("a", [1] * 8, 0, [0], sample=True),
                                         ScheduledRequest("b", [1], 30, [1, 2], sample=True)],
                              num_batched_tokens=9, padding_seq_lens=[12, 40])
-    assert step_shape(output) == StepShape(num_tokens=11, num_seqs=4, num_kv_tokens=8 + 31 + 12 + 40)
+    assert step_shape(output) == StepShape(num_tokens=11, num_seqs=4, num_kv_tokens=8 + 31 + 12 + 40, num_sampled=2)
 
 
 def test_a_prompt_that_does_not_fit_fails_like_the_server() -> None:
@@ -246,6 +249,7 @@ def measured_calibration(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert calibration.description["num_steps"] == len(calibration.samples) >= 3 * 4
     assert any(n > 1 and s > 1 for n, s, _, _ in calibration.samples)  # a mixed or batched prompt step
     assert calibration.intercept_s + calibration.per_token_s + calibration.per_seq_s > 0
+    assert calibration.offline_step_s + calibration.offline_token_s > 0  # detokenizing costs something
     path = tmp_path_factory.mktemp("plan") / "calib.json"
     calibration.save(path)
     return path

@@ -2,57 +2,23 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from backfill.bench.local_server import local_server
 from backfill.bench.serve_client import ServeBenchConfig, parse_generation_tokens_total, run_serve_benchmark
 from backfill.bench.workloads import WorkloadSpec, generate_workload
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "backfill.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-         "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "1024"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                output = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-                pytest.fail(f"the server exited with {proc.returncode}:\n{output[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server did not become healthy within 180 s")
-            time.sleep(0.5)
+    with local_server(["--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "1024"],
+                      start_timeout_s=180, stop_timeout_s=30) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_bench_serve_counts_match_server_metrics(server_url: str) -> None:
