@@ -18,7 +18,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from backfill.bench.cost_model import Calibration, StepShape, calibration_from_steps, step_shape
 from backfill.config import EngineConfig
@@ -47,6 +47,7 @@ SCENARIOS: tuple[Scenario, ...] = (
 )
 # A prompt of this many tokens joins every scenario after its second decode step: mixed steps.
 LATE_PROMPT_LEN = 96
+PROBE_REPEATS = 3  # batches the server probe times
 
 
 def calibration_engine_config(config: EngineConfig, scenarios: Sequence[Scenario] = SCENARIOS) -> EngineConfig:
@@ -157,23 +158,28 @@ def probe_server(base_url: str, calibration: Calibration, config: EngineConfig, 
              for i in range(num_slots)]
     # Warm-up: the server's first steps at each batch shape pay one-time costs (as warm_up here)
     run_serve_benchmark([replace(r, max_tokens=8) for r in batch], bench)
-    measured_singles = run_serve_benchmark(singles, bench)
-    measured_batch = run_serve_benchmark(batch, bench)
-    for measured in (measured_singles, measured_batch):
+
+    def measure(requests: list[WorkloadRequest]) -> dict[str, Any]:
+        measured = run_serve_benchmark(requests, bench)
         if measured["failed"]:
             raise RuntimeError(f"the server probe failed: {measured['errors']}")
+        return measured
 
-    def sim(requests: list[WorkloadRequest], model: Calibration) -> dict:
+    def sim(requests: list[WorkloadRequest], model: Calibration) -> dict[str, Any]:
         sim_requests = [SimRequest(list(r.prompt_token_ids or []), r.max_tokens, r.arrival_s) for r in requests]
         return simulate(sim_requests, config, model).summary()
 
     base = calibration.with_server(frontend_s=0.0, served_step_factor=1.0)
-    factor = measured_batch["median_tpot_ms"] / max(sim(batch, base)["median_tpot_ms"], 1e-9)
+    # NOTE: the median of PROBE_REPEATS batches: a few seconds each, so one burst of a
+    # neighbour's work would otherwise set the factor of every prediction.
+    batch_tpots = [measure(batch)["median_tpot_ms"] for _ in range(PROBE_REPEATS)]
+    factor = statistics.median(batch_tpots) / max(sim(batch, base)["median_tpot_ms"], 1e-9)
     scaled = base.with_server(0.0, factor)
+    measured_singles = measure(singles)
     frontend_s = statistics.median(  # ttfts are seconds
         m - s for m, s in zip(measured_singles["ttfts"], sim(singles, scaled)["ttfts"]))
     probed = scaled.with_server(max(frontend_s, 0.0), factor)
     description = {**calibration.description, "probe": {
         "base_url": base_url, "single_ttft_ms": 1000 * statistics.median(measured_singles["ttfts"]),
-        "batch_median_tpot_ms": measured_batch["median_tpot_ms"], "num_slots": num_slots}}
+        "batch_median_tpot_ms": batch_tpots, "num_slots": num_slots}}
     return replace(probed, description=description)

@@ -95,19 +95,21 @@ def run_check(args: argparse.Namespace) -> int:
         flags = ["--max-num-seqs", str(max_num_seqs)]
         if args.num_threads is not None:
             flags += ["--num-threads", str(args.num_threads)]
-        log = Path("bench_results") / f"plan_check_server_{max_num_seqs}.log"
-        with local_server(flags, log, args.port) as url:
-            if fresh:  # probe once, with the first server
-                calibration = probe_server(url, calibration, engine, min(4, max_num_seqs))
-                calibration.save(args.calibration)
-                fresh = False
-                print(f"wrote {args.calibration}", flush=True)
-            for rate in args.request_rates:
+        for rate in args.request_rates:
+            # NOTE: a fresh server for every run: a second replay of the same prompts would find
+            # them in the prefix cache, which the simulation (starting empty) does not model.
+            log = Path("bench_results") / f"plan_check_server_{max_num_seqs}_{rate:g}.log"
+            with local_server(flags, log, args.port) as url:
+                if fresh:  # probe once, with the first server, before its run (the cache stays apart)
+                    calibration = probe_server(url, calibration, engine, min(4, max_num_seqs))
+                    calibration.save(args.calibration)
+                    fresh = False
+                    print(f"wrote {args.calibration}", flush=True)
                 measured = run_serve_benchmark(requests, ServeBenchConfig(base_url=url, request_rate=rate,
                                                                           show_progress=False))
-                measured_runs[f"{max_num_seqs}@{rate}"] = {k: v for k, v in measured.items() if not isinstance(v, list)}
-                rows += _serve_rows(requests, calibration, max_num_seqs, rate, measured, encode)
-                print(format_check(rows[-3:]), flush=True)
+            measured_runs[f"{max_num_seqs}@{rate}"] = {k: v for k, v in measured.items() if not isinstance(v, list)}
+            rows += _serve_rows(requests, calibration, max_num_seqs, rate, measured, encode)
+            print(format_check(rows[-3:]), flush=True)
     if args.compare_repeats > 0:
         rows.append(_compare_row(requests, calibration, args, encode, measured_runs))
     print(format_check(rows))

@@ -79,11 +79,20 @@ def sweep_points(max_num_seqs: Sequence[int], policies: Sequence[str], replicas:
     return [PlanPoint(s, p, n) for n, p, s in itertools.product(replicas, policies, max_num_seqs)]
 
 
+def serve_warmup(requests: Sequence[SimRequest]) -> list[SimRequest]:
+    """`bench serve`'s warm-up request (its default one): the first request's prompt, at most
+    4 tokens."""
+    first = min(requests, key=lambda r: r.arrival_s)
+    return [SimRequest(first.prompt_token_ids, min(first.max_tokens, 4), 0.0)]
+
+
 def run_point(requests: Sequence[SimRequest], base: EngineConfig, calibration: Calibration, point: PlanPoint,
               price_per_hour: float, routing: Routing = "least-loaded", served: bool = True) -> dict[str, Any]:
-    """Simulate one configuration; its row (summary fields, slot use, cost, the configuration)."""
+    """Simulate one configuration; its row (summary fields, slot use, cost, the configuration).
+    Served, the first engine runs `bench serve`'s warm-up request first."""
     config = replace(base, max_num_seqs=point.max_num_seqs, policy=point.policy)  # type: ignore[arg-type]
-    run = simulate(requests, config, calibration, point.num_replicas, routing, served)
+    warmup = serve_warmup(requests) if served else []
+    run = simulate(requests, config, calibration, point.num_replicas, routing, served, warmup=warmup)
     summary = run.summary(percentiles=(50.0, 99.0))
     econ = unit_economics(price_per_hour * point.num_replicas, run.duration, summary["total_output_tokens"])
     row = {k: v for k, v in summary.items() if k not in _LISTS}

@@ -109,6 +109,18 @@ class SimulatedEngine:
         self.token_times[request_id] = []
         return None
 
+    def warm_up(self, requests: Sequence[SimRequest]) -> None:
+        """Run `requests` to the end, then start the clock and the counters afresh."""
+        for number, request in enumerate(requests):
+            error = self.add(f"warmup-{number}", request, 0.0)
+            if error is not None:
+                raise ValueError(f"the warm-up request: {error}")
+        while self.num_unfinished:
+            self.step()
+        self.free_at = self.busy_s = self.useful_slot_seconds = 0.0
+        self.num_steps = 0
+        self.token_times.clear()
+
     def step(self) -> list[str]:
         """Run one step starting at `free_at`; returns the ids of requests it finished."""
         start = self.free_at
@@ -139,11 +151,13 @@ def simulate(
     routing: Routing = "least-loaded",
     served: bool = True,
     eos_token_id: int = 0,
+    warmup: Sequence[SimRequest] = (),
 ) -> SimRun:
     """Serve `requests` on `num_replicas` simulated engines of `config`; returns when all finish.
 
     `served=False` simulates the engine in-process (`bench offline` / `bench compare`): no front
-    end, step times unscaled.
+    end, step times unscaled. `warmup` requests run on the first engine before the clock starts,
+    unmeasured (as `bench serve`'s warm-up request: its prompt stays in the prefix cache).
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas: must be >= 1, got {num_replicas}")
@@ -152,6 +166,7 @@ def simulate(
     if not requests:
         raise ValueError("requests: the workload is empty")
     engines = [SimulatedEngine(config, calibration, served, eos_token_id) for _ in range(num_replicas)]
+    engines[0].warm_up(warmup)
     delay = calibration.frontend_s if served else 0.0
     order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_s, i))
     results: list[RequestResult | None] = [None] * len(requests)

@@ -85,6 +85,18 @@ def test_served_step_factor_scales_every_step() -> None:
     assert in_process.duration == pytest.approx(5 * (STEP_S + 0.001 + 0.002))
 
 
+def test_warmup_request_leaves_its_prompt_cached_and_the_clock_at_zero() -> None:
+    # bench serve's warm-up sends the first prompt (4 tokens at most) before the measured run:
+    # its 2 full blocks (32 of 40 tokens) are then cached, so the run's first step computes 8.
+    calibration = Calibration(intercept_s=0.01, per_token_s=0.001, per_seq_s=0.0, per_kv_token_s=0.0)
+    request = SimRequest(prompt(40), 1, 0.0)
+    cold = simulate([request], config(enable_prefix_caching=True), calibration)
+    warm = simulate([request], config(enable_prefix_caching=True), calibration, warmup=[SimRequest(prompt(40), 4, 0.0)])
+    assert cold.summary()["ttfts"] == pytest.approx([0.01 + 40 * 0.001])
+    assert warm.summary()["ttfts"] == pytest.approx([0.01 + 8 * 0.001])
+    assert warm.num_steps == 1 and warm.duration == pytest.approx(0.018)
+
+
 def test_step_time_follows_the_shape() -> None:
     # One 20-token prompt, then decodes: the first step has 20 tokens over 20 KV entries.
     calibration = Calibration(intercept_s=0.001, per_token_s=0.0001, per_seq_s=0.0005, per_kv_token_s=0.00001)

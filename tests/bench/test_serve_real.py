@@ -63,3 +63,18 @@ def test_bench_serve_cli_sweep_excludes_the_warm_up_from_the_check(server_url: s
         assert 0 <= data["economics"]["wasted_slot_share"] <= 1
     assert proc.stdout.count("matches the") == 2
     assert (tmp_path / "serve_rate_sweep.png").exists() and (tmp_path / "serve_latency_cdf.png").exists()
+
+
+def test_plan_probe_measures_the_server(server_url: str) -> None:
+    """`plan calibrate --base-url`: the server's front-end delay and step factor, measured
+    against a step-time model (here a fixed one; `plan calibrate` fits it first)."""
+    from backfill.bench.calibrate import PROBE_REPEATS, probe_server
+    from backfill.bench.cost_model import Calibration
+    from backfill.config import EngineConfig
+
+    model = Calibration(intercept_s=0.005, per_token_s=0.001, per_seq_s=0.0005, per_kv_token_s=1e-6,
+                        max_position_embeddings=8192, kv_bytes_per_token=46080)
+    probed = probe_server(server_url, model, EngineConfig(max_num_seqs=8, max_model_len=1024), num_slots=4)
+    assert probed.frontend_s >= 0 and probed.served_step_factor > 0
+    assert (probed.intercept_s, probed.per_token_s) == (model.intercept_s, model.per_token_s)  # only the server terms
+    assert len(probed.description["probe"]["batch_median_tpot_ms"]) == PROBE_REPEATS
