@@ -32,12 +32,14 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Scenario:
     """`batch` sequences of `prompt_len` tokens each decoding `num_decode_steps` tokens. Shared:
-    one prompt for all, the first prefilled alone, the others then hit the prefix cache."""
+    one prompt for all, the first prefilled alone, the others then hit the prefix cache. A
+    prompt of `late_prompt_len` tokens joins after the second decode step: mixed steps."""
 
     batch: int
     prompt_len: int
     num_decode_steps: int
     shared: bool = False
+    late_prompt_len: int = 96
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -45,14 +47,12 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(32, 16, 8), Scenario(1, 512, 4), Scenario(4, 384, 4),
     Scenario(4, 768, 6, shared=True), Scenario(16, 512, 6, shared=True), Scenario(32, 256, 6, shared=True),
 )
-# A prompt of this many tokens joins every scenario after its second decode step: mixed steps.
-LATE_PROMPT_LEN = 96
 PROBE_REPEATS = 3  # batches the server probe times
 
 
 def calibration_engine_config(config: EngineConfig, scenarios: Sequence[Scenario] = SCENARIOS) -> EngineConfig:
     """`config` with room for every scenario (by default 32 sequences of up to ~800 tokens)."""
-    longest = max(s.prompt_len + s.num_decode_steps for s in scenarios) + LATE_PROMPT_LEN
+    longest = max(s.prompt_len + s.num_decode_steps + s.late_prompt_len for s in scenarios)
     return replace(config, max_num_seqs=max(s.batch for s in scenarios) + 1,
                    max_model_len=max(config.max_model_len or 0, longest + 8), num_kv_blocks=None,
                    policy="continuous")
@@ -130,7 +130,7 @@ def _run_scenario(engine: LLMEngine, scenario: Scenario, tag: str
             engine.add_request(f"{tag}-{i}", _prompt(0 if scenario.shared else i, scenario.prompt_len), params)
         num_steps = len(seconds)
         run_until(lambda: len(seconds) >= num_steps + 3)
-        engine.add_request(f"{tag}-late", _prompt(999, LATE_PROMPT_LEN), greedy_params(2))
+        engine.add_request(f"{tag}-late", _prompt(999, scenario.late_prompt_len), greedy_params(2))
         run_until(lambda: False)
     finally:
         del scheduler.schedule

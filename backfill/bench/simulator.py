@@ -170,7 +170,7 @@ def simulate(
     delay = calibration.frontend_s if served else 0.0
     order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_s, i))
     results: list[RequestResult | None] = [None] * len(requests)
-    where: dict[str, tuple[int, SimulatedEngine]] = {}  # request_id -> (index, its engine)
+    index_of: dict[str, int] = {}  # request_id -> its index in `requests`, until it finishes
     max_steps = MAX_STEPS_PER_REQUEST_TOKEN * sum(len(r.prompt_token_ids) + r.max_tokens for r in requests) + 100
     position = 0
     while True:
@@ -190,18 +190,18 @@ def simulate(
                 results[index] = RequestResult(success=False, expected_output_len=requests[index].max_tokens,
                                                start_time=requests[index].arrival_s, error=error)
             else:
-                where[request_id] = (index, target)
+                index_of[request_id] = index
             continue
         engine = engines[next_step[1]]
         if engine.num_steps >= max_steps:
             raise RuntimeError(f"the simulated scheduler made no progress in {max_steps} steps")
         for request_id in engine.step():
-            index, _ = where.pop(request_id)
+            index = index_of.pop(request_id)
             request = requests[index]
             times = engine.token_times.pop(request_id)
             results[index] = result_from_token_times(request.arrival_s, times, len(times), request.max_tokens,
                                                      prompt_len=len(request.prompt_token_ids))
-    assert not where and all(r is not None for r in results), "a simulated request never finished"
+    assert not index_of and all(r is not None for r in results), "a simulated request never finished"
     done = [r for r in results if r is not None]
     end = max((r.end_time for r in done if r.success), default=0.0)
     start = min(r.arrival_s for r in requests)

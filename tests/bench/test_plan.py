@@ -255,7 +255,8 @@ def measured_calibration(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A calibration measured on the real default model, over a few small scenarios."""
     from backfill.bench.calibrate import Scenario, run_calibration
 
-    scenarios = (Scenario(1, 8, 3), Scenario(4, 16, 3), Scenario(2, 64, 2, shared=True))
+    scenarios = (Scenario(1, 8, 3, late_prompt_len=20), Scenario(4, 16, 3, late_prompt_len=20),
+                 Scenario(2, 48, 2, shared=True, late_prompt_len=20))
     calibration = run_calibration(EngineConfig(dtype="float32", max_model_len=256), scenarios=scenarios)
     # Every step of every scenario was measured: prefill, decode, the shared prompt's reuse, the late prompt
     assert calibration.description["num_steps"] == len(calibration.samples) >= 3 * 4
