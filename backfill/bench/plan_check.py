@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -31,6 +32,9 @@ from backfill.config import EngineConfig
 THROUGHPUT_TOLERANCE = 0.15
 LATENCY_TOLERANCE = 0.25
 RATIO_TOLERANCE = 0.15
+# Above this 1-minute load average after a run (2 cores: the server, the client and the engine
+# steps' threads already make ~2), something else ran: the check says so.
+BUSY_LOAD_AVERAGE = 3.0
 
 
 def add_check_arguments(check: argparse.ArgumentParser) -> None:
@@ -107,9 +111,14 @@ def run_check(args: argparse.Namespace) -> int:
                     print(f"wrote {args.calibration}", flush=True)
                 measured = run_serve_benchmark(requests, ServeBenchConfig(base_url=url, request_rate=rate,
                                                                           show_progress=False))
-            measured_runs[f"{max_num_seqs}@{rate}"] = {k: v for k, v in measured.items() if not isinstance(v, list)}
+            load = os.getloadavg()[0]
+            measured_runs[f"{max_num_seqs}@{rate}"] = {**{k: v for k, v in measured.items() if not isinstance(v, list)},
+                                                      "load_average_1m_after": load}
             rows += _serve_rows(requests, calibration, max_num_seqs, rate, measured, encode)
             print(format_check(rows[-3:]), flush=True)
+            if load > BUSY_LOAD_AVERAGE:
+                print(f"NOTE: load average {load:.1f} after this run: other work shared the machine, "
+                      "the measured figures are not this server's alone", flush=True)
     if args.compare_repeats > 0:
         rows.append(_compare_row(requests, calibration, args, encode, measured_runs))
     print(format_check(rows))
