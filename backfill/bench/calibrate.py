@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from backfill.bench.cost_model import Calibration, StepShape, calibration_from_steps, step_shape
 from backfill.config import EngineConfig
+from backfill.core.outputs import SchedulerOutput
 
 if TYPE_CHECKING:
     from backfill.engine.llm_engine import LLMEngine
@@ -104,13 +105,13 @@ def _run_scenario(engine: LLMEngine, scenario: Scenario, tag: str
     seconds: list[float] = []
     overheads: list[float] = []
 
-    def recording_schedule(now: float | None = None):  # type: ignore[no-untyped-def]
+    def recording_schedule(now: float | None = None) -> SchedulerOutput:
         output = schedule(now)
         shapes.append(step_shape(output))
         return output
 
-    def run_until(done: object) -> None:
-        while engine.has_unfinished_requests() and not done():  # type: ignore[operator]
+    def run_until(done: Callable[[], object]) -> None:
+        while engine.has_unfinished_requests() and not done():
             start = time.monotonic()
             engine.step()
             wall = time.monotonic() - start
