@@ -275,7 +275,7 @@ def test_cli_plans_a_small_workload(measured_calibration: Path, tmp_path: Path) 
     command = [sys.executable, "-m", "backfill.entrypoints.cli", "plan", "--workload", str(workload),
                "--request-rate", "4", "--max-num-seqs", "2", "8", "--replicas", "1", "2",
                "--calibration", str(measured_calibration), "--slo", "ttft_p99_ms=100000",
-               "--max-model-len", "256", "--result-file", str(result)]
+               "--max-model-len", "256", "--plot", "--result-file", str(result)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     report = json.loads(result.read_text())
@@ -283,6 +283,7 @@ def test_cli_plans_a_small_workload(measured_calibration: Path, tmp_path: Path) 
     assert all(r["completed"] == 10 and r["total_output_tokens"] == sum(q.max_tokens for q in MIXED[:10])
                for r in report["rows"])
     assert report["choice"] is not None and "**<-**" in done.stdout
+    assert (tmp_path / "plan.png").stat().st_size > 0
     bad = subprocess.run(command[:-2] + ["--slo", "ttft=1"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "slo" in bad.stderr
 
