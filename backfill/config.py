@@ -28,6 +28,17 @@ DEFAULT_PREFILL_BUDGET: dict[str, int] = {"cpu": 16, "cuda": 0}
 # The namespace attribute that lists the fields a parser got flags for (add_cli_args), so that
 # from_cli_args never reads a command's own option of the same name (a workload's --seed).
 _CLI_FIELDS = "engine_config_fields"
+# Default KV pool when `num_kv_blocks` is not given: enough for every sequence slot at full
+# context, capped at this many bytes (the cap binds for long-context models).
+DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+
+
+def default_num_kv_blocks(max_num_seqs: int, max_model_len: int, block_size: int, kv_bytes_per_token: int) -> int:
+    """The KV blocks an engine allocates without `num_kv_blocks` (the planner sizes its
+    simulated pool the same way)."""
+    want = max_num_seqs * math.ceil(max_model_len / block_size)
+    cap = DEFAULT_KV_CACHE_BYTES // max(kv_bytes_per_token * block_size, 1)
+    return max(1, min(want, cap))
 
 
 @dataclass(frozen=True)

@@ -143,12 +143,7 @@ def plot_rate_sweep(series: Mapping[str, Sequence[Mapping[str, Any]]], path: str
     ax_ttft.set_xlabel("request rate (req/s)")
     ax_ttft.set_ylabel("p99 TTFT (ms)")
     ax_ttft.set_yscale("log")
-    for ax in (ax_tp, ax_ttft):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=9)
-    fig.suptitle("Throughput and tail latency vs offered load")
-    fig.tight_layout()
-    return _save(fig, path)
+    return _finish(fig, (ax_tp, ax_ttft), "Throughput and tail latency vs offered load", path)
 
 
 def plot_latency_cdf(series: Mapping[str, Mapping[str, Sequence[float]]], path: str | Path) -> Path:
@@ -168,6 +163,48 @@ def plot_latency_cdf(series: Mapping[str, Mapping[str, Sequence[float]]], path: 
         ax.grid(alpha=0.3)
         ax.legend(fontsize=9)
     fig.suptitle("Latency CDFs")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_plan(rows: Sequence[Mapping[str, Any]], slo: Mapping[str, float], choice: Mapping[str, Any] | None,
+              path: str | Path) -> Path:
+    """The planner's sweep: output throughput vs max_num_seqs, and p99 TTFT vs cost per 1M
+    output tokens (the SLO's TTFT bound dashed, the chosen configuration ringed); one line
+    per (policy, replicas)."""
+    plt = _pyplot()
+    fig, (ax_tp, ax_cost) = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict[str, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        series.setdefault(f"{r['policy']}, {r['num_replicas']} replica(s)", []).append(r)
+    for name, points in series.items():
+        points = sorted(points, key=lambda r: r["max_num_seqs"])
+        ax_tp.plot([r["max_num_seqs"] for r in points], [r["output_throughput"] for r in points], marker="o", label=name)
+        ax_cost.plot([r["cost_per_million_output_tokens"] for r in points], [r["p99_ttft_ms"] for r in points],
+                     marker="o", label=name)
+        for r in points:
+            ax_cost.annotate(str(r["max_num_seqs"]), (r["cost_per_million_output_tokens"], r["p99_ttft_ms"]), fontsize=8)
+    if "ttft_p99_ms" in slo:
+        ax_cost.axhline(slo["ttft_p99_ms"], color="grey", linestyle="--", label="SLO p99 TTFT")
+    if choice is not None:
+        ax_cost.scatter([choice["cost_per_million_output_tokens"]], [choice["p99_ttft_ms"]], s=200,
+                        facecolors="none", edgecolors="black", label="cheapest meeting the SLO")
+    ax_tp.set_xscale("log", base=2)
+    ax_tp.set_xlabel("max_num_seqs")
+    ax_tp.set_ylabel("output throughput (tok/s)")
+    ax_cost.set_xlabel("cost per 1M output tokens (USD)")
+    ax_cost.set_ylabel("p99 TTFT (ms)")
+    ax_cost.set_yscale("log")
+    return _finish(fig, (ax_tp, ax_cost), "Capacity plan (simulated on the calibrated step-time model)", path,
+                   legend_size=8)
+
+
+def _finish(fig: Any, axes: Sequence[Any], title: str, path: str | Path, legend_size: int = 9) -> Path:
+    """Grid and legend on every axis, the title, then save."""
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=legend_size)
+    fig.suptitle(title)
     fig.tight_layout()
     return _save(fig, path)
 

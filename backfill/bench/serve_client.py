@@ -19,11 +19,10 @@ from datetime import datetime
 from typing import Any
 
 import aiohttp
-import numpy as np
 from tqdm import tqdm
 
 from backfill.bench.metrics import RequestResult, summarize
-from backfill.bench.workloads import WorkloadRequest, draw_arrival_times, with_arrivals
+from backfill.bench.workloads import WorkloadRequest, at_rate
 
 logger = logging.getLogger(__name__)
 
@@ -215,8 +214,7 @@ def schedule_arrivals(requests: list[WorkloadRequest], config: ServeBenchConfig)
     """Apply `config.request_rate` (seeded Poisson / gamma), or keep the workload's own times."""
     if config.request_rate is None:
         return requests
-    rng = np.random.default_rng(config.seed)
-    return with_arrivals(requests, draw_arrival_times(len(requests), config.request_rate, config.burstiness, rng))
+    return at_rate(requests, config.request_rate, config.burstiness, config.seed)
 
 
 async def benchmark_serve(requests: list[WorkloadRequest], config: ServeBenchConfig) -> dict[str, Any]:

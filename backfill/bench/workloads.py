@@ -295,6 +295,14 @@ def with_arrivals(requests: list[WorkloadRequest], arrivals: list[float]) -> lis
     ]
 
 
+def at_rate(requests: list[WorkloadRequest], request_rate: float, burstiness: float = 1.0,
+            seed: int = 0) -> list[WorkloadRequest]:
+    """`requests` (in order) with seeded arrivals at `request_rate` (inf: all at once): what
+    `bench serve --request-rate R --burstiness B --seed S` sends, so the planner sees the same."""
+    rng = np.random.default_rng(seed)
+    return with_arrivals(requests, draw_arrival_times(len(requests), request_rate, burstiness, rng))
+
+
 def describe_workload(requests: list[WorkloadRequest]) -> dict[str, Any]:
     """Counts and ranges, for reports."""
     max_tokens = [r.max_tokens for r in requests]

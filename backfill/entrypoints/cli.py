@@ -1,4 +1,4 @@
-"""The `backfill` command: serve | generate | bench."""
+"""The `backfill` command: serve | generate | bench | plan."""
 
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ def _build_parser() -> argparse.ArgumentParser:
     from backfill.bench.cli import add_bench_subparser
 
     add_bench_subparser(commands)
+
+    from backfill.bench.plan_cli import add_plan_subparser
+
+    add_plan_subparser(commands)
     return parser
 
 
@@ -75,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         from backfill.entrypoints.openai.launcher import run_server
 
         return run_server(args)
+    if args.command == "plan":
+        from backfill.bench.plan_cli import run_plan
+
+        return run_plan(args)
     from backfill.bench.cli import run_bench
 
     return run_bench(args)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-import math
 from typing import TYPE_CHECKING
 
 import torch
 
-from backfill.config import EngineConfig
+from backfill.config import EngineConfig, default_num_kv_blocks
 from backfill.core.outputs import ModelRunnerOutput, SchedulerOutput
 from backfill import kernels
 from backfill.model.cpu_decoder import CpuDecoder, unsupported_reason
@@ -24,10 +23,6 @@ if TYPE_CHECKING:
     from backfill.structured_output.manager import GrammarBitmask
 
 logger = logging.getLogger(__name__)
-
-# Default KV pool when `num_kv_blocks` is not given: enough for every sequence slot at full
-# context, capped at this many bytes (the cap binds for long-context models).
-DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 
 
 def wants_cpu_kernels(config: EngineConfig) -> bool:
@@ -133,9 +128,8 @@ class ModelRunner:
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_size
 
     def _default_num_kv_blocks(self) -> int:
-        want = self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
-        cap = DEFAULT_KV_CACHE_BYTES // (self.kv_bytes_per_token * self.block_size)
-        return max(1, min(want, cap))
+        return default_num_kv_blocks(self.config.max_num_seqs, self.max_model_len, self.block_size,
+                                     self.kv_bytes_per_token)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model_config

@@ -3,56 +3,23 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from backfill.bench.local_server import local_server
 from backfill.bench.serve_client import ServeBenchConfig, parse_generation_tokens_total, run_serve_benchmark
 from backfill.bench.workloads import WorkloadSpec, generate_workload
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "backfill.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-         "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "1024"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                output = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-                pytest.fail(f"the server exited with {proc.returncode}:\n{output[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server did not become healthy within 180 s")
-            time.sleep(0.5)
+    with local_server(["--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "1024"],
+                      start_timeout_s=180, stop_timeout_s=30) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_bench_serve_counts_match_server_metrics(server_url: str) -> None:
@@ -125,3 +92,18 @@ def test_bench_serve_with_the_dashboard_open_and_closed(server_url: str, tmp_pat
     assert closed["total_output_tokens"] == opened["total_output_tokens"] > 0
     ratio = opened["output_throughput"] / closed["output_throughput"]
     assert f"ratio {ratio:.4f}" in proc.stdout
+
+
+def test_plan_probe_measures_the_server(server_url: str) -> None:
+    """`plan calibrate --base-url`: the server's front-end delay and step factor, measured
+    against a step-time model (here a fixed one; `plan calibrate` fits it first)."""
+    from backfill.bench.calibrate import PROBE_REPEATS, probe_server
+    from backfill.bench.cost_model import Calibration
+    from backfill.config import EngineConfig
+
+    model = Calibration(intercept_s=0.005, per_token_s=0.001, per_seq_s=0.0005, per_kv_token_s=1e-6,
+                        max_position_embeddings=8192, kv_bytes_per_token=46080)
+    probed = probe_server(server_url, model, EngineConfig(max_num_seqs=8, max_model_len=1024), num_slots=4)
+    assert probed.frontend_s >= 0 and probed.served_step_factor > 0
+    assert (probed.intercept_s, probed.per_token_s) == (model.intercept_s, model.per_token_s)  # only the server terms
+    assert len(probed.description["probe"]["batch_median_tpot_ms"]) == PROBE_REPEATS
