@@ -32,6 +32,12 @@ class ForwardedRequest:
 
 
 @dataclass(frozen=True)
+class Accepted:
+    """What a replica sends first: from here on the request is its own (a failure is the
+    client's error, not a reason to try another replica)."""
+
+
+@dataclass(frozen=True)
 class ResponseStart:
     status: int
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)

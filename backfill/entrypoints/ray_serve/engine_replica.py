@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from backfill.entrypoints.openai.launcher import app_from_args, check_server_args, start_engine
-from backfill.entrypoints.ray_serve.asgi_call import ForwardedRequest, ResponseStart, call_app
+from backfill.entrypoints.ray_serve.asgi_call import Accepted, ForwardedRequest, ResponseStart, call_app
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,8 @@ class EngineReplica:
         self._lifespan = contextlib.AsyncExitStack()
         await self._lifespan.enter_async_context(self._app.router.lifespan_context(self._app))
 
-    async def __call__(self, request: ForwardedRequest) -> AsyncGenerator[ResponseStart | bytes, None]:
+    async def __call__(self, request: ForwardedRequest) -> AsyncGenerator[Accepted | ResponseStart | bytes, None]:
+        yield Accepted()
         async for part in call_app(self._app, request):
             yield part
 

@@ -7,7 +7,8 @@ a replica chosen by BackfillRouter, which runs the single server's app on it and
 response back. Server-sent events are passed on as they come; other responses are sent once
 complete, so a replica that dies first still gets the client a proper error.
 
-- a replica dying mid-request      -> 503 `replica_failed` (or, mid-stream, an error event and [DONE])
+- a replica dying mid-request      -> 503 `replica_failed` (or, mid-stream, an error event and [DONE]);
+                                      one dying before it accepted the request: another replica
 - draining after SIGTERM           -> 503 for new requests; in-flight ones get --shutdown-timeout,
                                       then are cancelled (their replicas abort them)
 - /metrics                         -> every replica's series with a `replica` label, and
@@ -37,14 +38,15 @@ from backfill.entrypoints.openai.http_extras import RequestIdMiddleware
 from backfill.entrypoints.openai.metrics import CONTENT_TYPE
 from backfill.entrypoints.openai.serving import RETRY_AFTER_S, SSE_DONE, sse
 from backfill.entrypoints.openai.wire import APIError
-from backfill.entrypoints.ray_serve.asgi_call import ForwardedRequest, ResponseStart
+from backfill.entrypoints.ray_serve.asgi_call import Accepted, ForwardedRequest, ResponseStart
 from backfill.entrypoints.ray_serve.metrics_merge import merge_metrics, router_metrics
 from backfill.entrypoints.ray_serve.prefix_index import routing_text
 from backfill.entrypoints.ray_serve.policy import all_decisions
 
 logger = logging.getLogger(__name__)
 
-METRICS_TIMEOUT_S = 10.0  # a replica that does not answer in time is left out of /metrics
+METRICS_TIMEOUT_S = 10.0
+MAX_ATTEMPTS = 3  # replicas a request is sent to when they fail before answering  # a replica that does not answer in time is left out of /metrics
 
 
 def replica_failed() -> APIError:
@@ -81,30 +83,39 @@ class Forwarder:
             text = routing_text(scope["path"], parsed) if isinstance(parsed, dict) else ""
         forwarded = ForwardedRequest(scope["method"], scope["path"], scope.get("query_string", b""),
                                      list(scope.get("headers") or []), body, scope.get("client"), text)
-        responses = self._handle.remote(forwarded)
-        self._in_flight.add(responses)
-        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
-        relay = asyncio.ensure_future(self._relay(responses, send))
-        try:
-            await asyncio.wait({relay, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not relay.done():  # the client went away: the replica aborts the request
-                responses.cancel()
-                relay.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await relay
-            else:
-                relay.result()
-        finally:
-            watcher.cancel()
-            self._in_flight.discard(responses)
+        # A replica that fails before accepting the request (it died, or Ray had not yet noticed
+        # it dead) never ran it: the request goes to another, up to MAX_ATTEMPTS times.
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            responses = self._handle.remote(forwarded)
+            self._in_flight.add(responses)
+            watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+            relay = asyncio.ensure_future(self._relay(responses, send, last_attempt=attempt == MAX_ATTEMPTS))
+            try:
+                await asyncio.wait({relay, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if not relay.done():  # the client went away: the replica aborts the request
+                    responses.cancel()
+                    relay.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await relay
+                    return
+                if relay.result():
+                    return
+            finally:
+                watcher.cancel()
+                self._in_flight.discard(responses)
 
-    async def _relay(self, responses: DeploymentResponseGenerator, send: Send) -> None:
+    async def _relay(self, responses: DeploymentResponseGenerator, send: Send, last_attempt: bool) -> bool:
+        """Pass the response on; False (nothing sent) when the replica failed before accepting
+        the request and another may be tried."""
+        accepted = False
         start: ResponseStart | None = None
         streaming = False
         chunks: list[bytes] = []
         try:
             async for part in responses:
-                if isinstance(part, ResponseStart):
+                if isinstance(part, Accepted):
+                    accepted = True
+                elif isinstance(part, ResponseStart):
                     start = part
                     streaming = dict(part.headers).get(b"content-type", b"").startswith(b"text/event-stream")
                     if streaming:
@@ -114,14 +125,16 @@ class Forwarder:
                 else:
                     chunks.append(part)
         except Exception as failure:  # the replica died, or the drain cancelled the request
-            error = shut_down() if self.aborting else replica_failed()
             logger.warning("request to a replica failed: %s", type(failure).__name__)
+            if not accepted and not last_attempt and not self.aborting:
+                return False
+            error = shut_down() if self.aborting else replica_failed()
             if streaming:
                 tail = (sse(error.to_dict()) + SSE_DONE).encode()
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
-                return
-            await _send_error(error, send)
-            return
+            else:
+                await _send_error(error, send)
+            return True
         if streaming:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         elif start is None:
@@ -129,6 +142,7 @@ class Forwarder:
         else:
             await send({"type": "http.response.start", "status": start.status, "headers": start.headers})
             await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": False})
+        return True
 
     def abort_all(self) -> None:
         self.aborting = True

@@ -20,14 +20,17 @@ MAX_BLOCKS_PER_REPLICA = 100_000  # ~3 MB of prompt text each
 
 def routing_text(path: str, body: dict[str, Any]) -> str:
     """The text a request's prompt starts with, for prefix matching ("" when there is none):
-    completions' prompt (token ids written out), chat messages (role and content), responses'
-    instructions and input."""
+    completions' prompt (token ids written out; a batch's first prompt), chat messages (role and
+    content), responses' instructions and input."""
     if path.endswith("/chat/completions"):
         return "".join(f"{message.get('role', '')}:{_text(message.get('content'))}\n"
                        for message in body.get("messages") or [] if isinstance(message, dict))
     if path.endswith("/responses"):
         return _text(body.get("instructions")) + _text(body.get("input"))
-    return _text(body.get("prompt"))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return _text(prompt[0])  # a batch: its first prompt (the others' prefixes may differ)
+    return _text(prompt)
 
 
 def _text(value: Any) -> str:
