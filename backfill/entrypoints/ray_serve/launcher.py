@@ -50,12 +50,14 @@ def run_ray_server(args: argparse.Namespace) -> int:
     if local:
         # NOTE: else Ray binds its local instance to the machine's address, not to 127.0.0.1.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    import ray
-
     temp_dir = None
-    num_threads = config.num_threads or 1
     if local:
         temp_dir = tempfile.mkdtemp(prefix="backfill-ray-")
+        os.environ["RAY_TMPDIR"] = temp_dir  # for every Ray process: nothing lands in /tmp/ray
+    import ray
+
+    num_threads = config.num_threads or 1
+    if local:
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=temp_dir,
                  num_cpus=max(os.cpu_count() or 1, num_replicas * num_threads), logging_level=logging.WARNING)
     else:
