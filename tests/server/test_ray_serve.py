@@ -195,7 +195,10 @@ def test_sigterm_drains_both_replicas_and_leaves_no_ray_process(server: ServerPr
         assert stream[-1] == {"done": True} and stream[-2]["choices"][0]["finish_reason"] == "length", stream[-2:]
     assert wait_until(lambda: not any(is_alive(pid) for pid in processes), timeout=30), \
         [cmdline(pid)[:80] for pid in processes if is_alive(pid)]
+    time.sleep(2)  # nothing starts Ray again once the server is gone
     assert not any(os.path.exists(path) for path in temp_dirs)
+    assert not [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                if any(path.encode() in cmdline(pid) for path in temp_dirs)]
 
 
 def test_a_killed_replica_fails_its_requests_and_is_replaced() -> None:

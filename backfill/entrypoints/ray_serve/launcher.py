@@ -46,6 +46,9 @@ def run_ray_server(args: argparse.Namespace) -> int:
         logger.error("invalid --replicas: %s", num_replicas)
         return 2
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
+    # NOTE: else a Ray call still under way after ray.shutdown() (the router's load poll) would
+    # start a new local instance, which nothing would stop.
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
     local = args.ray_address is None
     if local:
         # NOTE: else Ray binds its local instance to the machine's address, not to 127.0.0.1.
