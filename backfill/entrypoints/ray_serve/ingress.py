@@ -32,8 +32,8 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from backfill import __version__
-from backfill.entrypoints.openai.api_server import (ABORT_FLUSH_S, GateMiddleware, ServerState,
-                                                    error_response, read_body)
+from backfill.entrypoints.openai.api_server import (ABORT_FLUSH_S, GateMiddleware, ServerState, error_response,
+                                                    health_response, read_body)
 from backfill.entrypoints.openai.http_extras import RequestIdMiddleware
 from backfill.entrypoints.openai.metrics import CONTENT_TYPE
 from backfill.entrypoints.openai.serving import RETRY_AFTER_S, SSE_DONE, sse
@@ -205,15 +205,7 @@ def build_ingress(handle: DeploymentHandle, replica_name_prefix: str, *, api_key
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: Request) -> Response:
-        if state.draining:
-            response: Response = error_response(APIError(503, "shutting down", "server_error", code="shutting_down",
-                                                         headers={"Retry-After": str(RETRY_AFTER_S)}))
-        else:
-            response = JSONResponse({"status": "ok"})
-        if request.method == "HEAD":
-            headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
-            return Response(status_code=response.status_code, headers=headers)
-        return response
+        return health_response(request.method, dead=False, draining=state.draining)
 
     @app.get("/version")
     async def version() -> Response:

@@ -50,24 +50,25 @@ def run_ray_server(args: argparse.Namespace) -> int:
     # start a new local instance, which nothing would stop.
     os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
     local = args.ray_address is None
+    temp_dir = None
     if local:
         # NOTE: else Ray binds its local instance to the machine's address, not to 127.0.0.1.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    temp_dir = None
-    if local:
         temp_dir = tempfile.mkdtemp(prefix="backfill-ray-")
         os.environ["RAY_TMPDIR"] = temp_dir  # for every Ray process: nothing lands in /tmp/ray
     import ray
 
     num_threads = config.num_threads or 1
-    if local:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=temp_dir,
-                 num_cpus=max(os.cpu_count() or 1, num_replicas * num_threads), logging_level=logging.WARNING)
-    else:
-        ray.init(address=args.ray_address, logging_level=logging.WARNING)
     status, drained = 1, False
     try:
+        if local:
+            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=temp_dir,
+                     num_cpus=max(os.cpu_count() or 1, num_replicas * num_threads), logging_level=logging.WARNING)
+        else:
+            ray.init(address=args.ray_address, logging_level=logging.WARNING)
         status, drained = _serve(args, router_config, num_replicas, num_threads)
+    except (ConnectionError, RuntimeError) as error:  # no cluster there, or the replicas failed to start
+        logger.error("%s", error)
     finally:
         _stop_ray(local)
         if temp_dir is not None:
