@@ -1,7 +1,8 @@
 """Issue 13: `backfill serve --replicas 2` on Ray Serve (a local Ray instance on 127.0.0.1).
 
-The official-client tests of test_openai_client.py run again here, against two replicas behind the
-ingress (imported below: the module's `server` fixture replaces the single server). Then what is
+The official-client tests of test_openai_client.py and the bad-request tests of
+test_bad_requests.py run again here, against two replicas behind the ingress (imported below: the
+module's `server` fixture replaces the single server). Then what is
 Ray's own: per-replica metrics and the router's decisions, prefix affinity, a saturated replica
 passed over, SIGTERM draining both replicas with no Ray process left; and, on a server of its own
 (round-robin routing), a replica killed mid-run.
@@ -27,6 +28,10 @@ import openai
 import pytest
 
 from tests.server.harness import API_KEY, MODEL, ServerProcess, cmdline, descendant_pids, is_alive, start_server, wait_until
+from tests.server.test_bad_requests import (test_a_body_of_countless_tiny_arrays_is_refused_before_parsing,  # noqa: F401
+                                            test_bad_request, test_context_errors_have_the_openai_code,
+                                            test_harmless_unknown_fields_are_ignored,
+                                            test_oversized_body_is_refused_before_parsing)
 from tests.server.test_openai_client import *  # noqa: F401,F403  (the official-client tests, run here too)
 
 RAY_STARTUP_TIMEOUT_S = 600.0  # Ray, then two engines loading side by side on a small machine
@@ -87,6 +92,17 @@ def test_single_process_server_does_not_import_ray() -> None:
             "_build_parser().parse_args(['serve', '--port', '1'])\n"
             "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')], 'ray imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_official_client_errors_through_the_ingress(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=0)
+    assert bad.value.param == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0).models.list()
 
 
 def test_metrics_label_each_replica_and_count_the_routers_decisions(server: ServerProcess) -> None:
