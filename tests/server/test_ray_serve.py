@@ -36,8 +36,9 @@ from tests.server.test_openai_client import *  # noqa: F401,F403  (the official-
 
 RAY_STARTUP_TIMEOUT_S = 600.0  # Ray, then two engines loading side by side on a small machine
 RESTART_TIMEOUT_S = 600.0
-GRACE_S = 60
+GRACE_S = 30
 BLOCK_SIZE = 16
+EXIT_BOUND_S = 3.0  # the server guarantees 1 s past the grace period; the rest is for a loaded machine
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 # Longer than a few of the router's 32-character blocks, so that it is matched as a prefix.
 SATURATE_PROMPT = "Saturate: once upon a time, in a kingdom by the sea, there lived a king who had twelve daughters"
@@ -176,12 +177,13 @@ def _stream(base_url: str, prompt: str, max_tokens: int, events: list[dict[str, 
         started.set()
 
 
-def _start_streams(server: ServerProcess, prompts: list[str], max_tokens: int) -> tuple[list[threading.Thread],
-                                                                                         list[list[dict[str, object]]]]:
+def _start_streams(server: ServerProcess, prompts: list[str], max_tokens: list[int]) -> tuple[
+        list[threading.Thread], list[list[dict[str, object]]]]:
+    """One streaming completion a prompt, each in a thread; returns once every one has begun."""
     events: list[list[dict[str, object]]] = [[] for _ in prompts]
     started = [threading.Event() for _ in prompts]
-    threads = [threading.Thread(target=_stream, args=(server.base_url, prompt, max_tokens, events[i], started[i]))
-               for i, prompt in enumerate(prompts)]
+    threads = [threading.Thread(target=_stream, args=(server.base_url, prompt, limit, events[i], started[i]))
+               for i, (prompt, limit) in enumerate(zip(prompts, max_tokens))]
     for thread in threads:
         thread.start()
     assert all(event.wait(300) for event in started)
@@ -194,21 +196,27 @@ def test_sigterm_drains_both_replicas_and_leaves_no_ray_process(server: ServerPr
     assert sum(b"ServeReplica" in cmdline(pid) for pid in processes) == 2
     temp_dirs = {path for pid in processes for path in glob.glob("/tmp/backfill-ray-*") if path.encode() in cmdline(pid)}
     assert len(temp_dirs) == 1
-    # 10 streams of one prompt: the burst spreads over both replicas (as above).
-    threads, events = _start_streams(server, ["Drain: long ago, in a land far away, where the rivers ran uphill"] * 10,
-                                     max_tokens=120)
+    # 10 streams of one prompt (the burst spreads over both replicas, as above), and one that
+    # cannot finish within the grace period.
+    prompts = ["Drain: long ago, in a land far away, where the rivers ran uphill"] * 10 + ["Drain: the long one"]
+    threads, events = _start_streams(server, prompts, max_tokens=[60] * 10 + [8000])
     running = {k: v for k, v in server.metrics().items() if k.startswith("backfill:num_requests_running{")}
     assert len(running) == 2 and all(v >= 1 for v in running.values()), running
 
     server.process.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
     refused = httpx.post(server.v1 + "/completions", json={"model": MODEL, "prompt": "late"}, headers=HEADERS,
                          timeout=30)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
-    for thread in threads:
-        thread.join(timeout=GRACE_S + 30)
     assert server.process.wait(timeout=GRACE_S + 30) == 0
-    for stream in events:  # every in-flight stream finished normally
+    # The process ends a second after the grace period at the latest (launcher.EXIT_GRACE_S).
+    assert time.monotonic() - signalled < GRACE_S + EXIT_BOUND_S
+    for thread in threads:
+        thread.join(timeout=30)
+    for stream in events[:10]:  # every stream that could finish in time did
         assert stream[-1] == {"done": True} and stream[-2]["choices"][0]["finish_reason"] == "length", stream[-2:]
+    assert events[10][-1] == {"done": True}
+    assert events[10][-2]["error"]["code"] == "shutting_down", events[10][-2:]  # type: ignore[index]
     assert wait_until(lambda: not any(is_alive(pid) for pid in processes), timeout=30), \
         [cmdline(pid)[:80] for pid in processes if is_alive(pid)]
     time.sleep(2)  # nothing starts Ray again once the server is gone
@@ -225,7 +233,7 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced() -> None:
         replicas = [pid for pid in descendant_pids(server.process.pid) if b"ServeReplica" in cmdline(pid)]
         assert len(labels) == 2 and len(replicas) == 2
         # Round-robin: one stream on each replica.
-        threads, events = _start_streams(server, ["Kill test: the first", "Kill test: the second"], max_tokens=300)
+        threads, events = _start_streams(server, ["Kill test: the first", "Kill test: the second"], max_tokens=[300] * 2)
         os.kill(replicas[0], signal.SIGKILL)
         client = openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=300)
         # Accepted while one replica is dead or restarting: none is lost.

@@ -64,12 +64,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     EngineConfig.add_cli_args(parser)
 
 
+# Run by exit_now first (the Ray server stops its local Ray instance there): os._exit skips atexit.
+EXIT_HOOKS: list[Callable[[], None]] = []
+
+
 def exit_now(status: int) -> NoReturn:
     """End the process without the interpreter's teardown, logs and stdio flushed first.
 
     NOTE: tearing down torch, the weights and the KV cache takes a second or more (more on a
     loaded machine), which a SIGTERM deadline has no room for; nothing of it needs doing.
     """
+    for hook in EXIT_HOOKS:
+        with contextlib.suppress(Exception):
+            hook()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

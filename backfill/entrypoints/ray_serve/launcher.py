@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import shutil
 import signal
 import tempfile
 
-from backfill.entrypoints.openai.launcher import check_server_args, exit_now, serve_app
+from backfill.entrypoints.openai.launcher import EXIT_HOOKS, check_server_args, exit_now, serve_app
 from backfill.entrypoints.ray_serve.options import RouterConfig
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ def run_ray_server(args: argparse.Namespace) -> int:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         temp_dir = tempfile.mkdtemp(prefix="backfill-ray-")
         os.environ["RAY_TMPDIR"] = temp_dir  # for every Ray process: nothing lands in /tmp/ray
+        # However the process ends (the drain's deadline included), the local instance goes too.
+        EXIT_HOOKS.append(functools.partial(_remove_local_ray, temp_dir))
     import ray
 
     num_threads = config.num_threads or 1
@@ -85,14 +88,23 @@ def _stop_ray(local: bool) -> None:
     from ray import serve
 
     if local:
-        for pid in _descendants(os.getpid()):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_descendants()
     else:
         with contextlib.suppress(Exception):
             serve.delete(APP_NAME)
     with contextlib.suppress(Exception):
         ray.shutdown()
+
+
+def _remove_local_ray(temp_dir: str) -> None:
+    _kill_descendants()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _kill_descendants() -> None:
+    for pid in _descendants(os.getpid()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _descendants(pid: int) -> list[int]:
