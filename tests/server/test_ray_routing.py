@@ -149,7 +149,7 @@ def test_call_app_streams_the_response_and_reports_a_disconnect() -> None:
         parts = call_app(app, request)
         async for part in parts:
             received.append(part)
-            if len(received) == 4:
+            if b"hi2" in b"".join(p for p in received if isinstance(p, bytes)):
                 break
         await parts.aclose()  # the caller went away
         return received
@@ -157,5 +157,5 @@ def test_call_app_streams_the_response_and_reports_a_disconnect() -> None:
     received = asyncio.run(main())
     start = received[0]
     assert isinstance(start, ResponseStart) and start.status == 200 and (b"x-a", b"1") in start.headers
-    assert received[1:] == [b"hi0", b"hi1", b"hi2"]
+    assert b"".join(received[1:]).startswith(b"hi0hi1hi2")  # type: ignore[arg-type]
     assert seen == ["closed"]  # the app saw the disconnect and stopped

@@ -44,7 +44,8 @@ class ResponseStart:
 
 
 async def call_app(app: ASGIApp, request: ForwardedRequest) -> AsyncGenerator[ResponseStart | bytes, None]:
-    """Run `request` through `app`: yields a ResponseStart, then the body's chunks as sent.
+    """Run `request` through `app`: yields a ResponseStart, then the body's chunks as sent (those
+    sent while the previous one was being passed on, joined).
 
     Closing the generator early (the ingress's client disconnected) is a disconnect for the app.
     """
@@ -73,11 +74,21 @@ async def call_app(app: ASGIApp, request: ForwardedRequest) -> AsyncGenerator[Re
         while (message := await messages.get()) is not None:
             if message["type"] == "http.response.start":
                 yield ResponseStart(message["status"], list(message.get("headers", [])))
-            elif message["type"] == "http.response.body":
-                if message.get("body"):
-                    yield bytes(message["body"])
-                if not message.get("more_body", False):
+                continue
+            # NOTE: the chunks already waiting go as one: under load, fewer and larger items
+            # cross Ray (a stream's events stay whole and in order).
+            body, more, ended = [message.get("body", b"")], message.get("more_body", False), False
+            while more and not messages.empty():
+                queued = messages.get_nowait()
+                if queued is None:  # the app returned mid-body
+                    ended = True
                     break
+                body.append(queued.get("body", b""))
+                more = queued.get("more_body", False)
+            if any(body):
+                yield b"".join(body)
+            if ended or not more:
+                break
         await task  # raises what the app raised (it sends its own error responses for the rest)
     finally:
         if not task.done():
