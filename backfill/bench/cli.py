@@ -51,6 +51,8 @@ def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--long-prompt-arrival", type=float, default=2.0, help="long-prompt: its arrival (s)")
     group.add_argument("--system-prompt-tokens", type=int, default=512,
                        help="shared-prefix / multi-turn: tokens of the system prompt every request starts with")
+    group.add_argument("--num-prefixes", type=int, default=1,
+                       help="shared-prefix / multi-turn: distinct system prompts, spread evenly and shuffled")
     group.add_argument("--user-tokens", type=int, nargs=2, default=(32, 64), metavar=("MIN", "MAX"),
                        help="shared-prefix / multi-turn: tokens of each user turn")
     group.add_argument("--token-id-range", type=int, nargs=2, default=(1000, 20000), metavar=("MIN", "MAX"),
@@ -66,7 +68,8 @@ def _spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
         uniform_tokens=tuple(args.uniform_tokens), prompt_words=tuple(args.prompt_words),
         arrival=args.arrival, request_rate=args.arrival_rate, burstiness=args.arrival_burstiness, seed=args.seed,
         long_prompt_words=args.long_prompt_words, long_prompt_arrival=args.long_prompt_arrival,
-        system_prompt_tokens=args.system_prompt_tokens, user_tokens=tuple(args.user_tokens),
+        system_prompt_tokens=args.system_prompt_tokens,
+        num_prefixes=args.num_prefixes, user_tokens=tuple(args.user_tokens),
         token_id_range=tuple(args.token_id_range), num_turns=args.num_turns, turn_interval=args.turn_interval,
     )
 

@@ -99,8 +99,9 @@ class WorkloadSpec:
     drawn from `token_id_range` (ordinary tokens of the model's vocabulary: the default suits
     vocabularies of 20k+ tokens, the default model's has 49,152). Output lengths draw from
     `uniform_tokens`.
-    shared-prefix: every request is one system prompt of `system_prompt_tokens` tokens, then a
-    user turn of its own of `user_tokens` tokens.
+    shared-prefix: every request is one system prompt of `system_prompt_tokens` tokens (one of
+    `num_prefixes`, each used by as many requests, in a shuffled order), then a user turn of its
+    own of `user_tokens` tokens.
     multi-turn: conversations of `num_turns` turns (num_requests in all, the last conversation
     possibly shorter) after an optional system prompt: turn k's prompt repeats turns 1..k-1
     (each user turn followed by a stand-in answer as long as that turn's max_tokens) and adds a
@@ -123,6 +124,7 @@ class WorkloadSpec:
     long_prompt_words: int = 6000
     long_prompt_arrival: float = 2.0
     system_prompt_tokens: int = 512
+    num_prefixes: int = 1
     user_tokens: tuple[int, int] = (32, 64)
     token_id_range: tuple[int, int] = (1000, 20000)
     num_turns: int = 4
@@ -152,6 +154,8 @@ class WorkloadSpec:
         if self.system_prompt_tokens < (self.kind == "shared-prefix"):
             raise ValueError(f"system_prompt_tokens: must be >= {int(self.kind == 'shared-prefix')}, "
                              f"got {self.system_prompt_tokens}")
+        if self.num_prefixes < 1:
+            raise ValueError(f"num_prefixes: must be >= 1, got {self.num_prefixes}")
         if self.num_turns < 1 or not self.turn_interval >= 0:
             raise ValueError(f"num_turns >= 1 and turn_interval >= 0 needed, got {self.num_turns}, {self.turn_interval}")
 
@@ -238,17 +242,21 @@ def _prefix_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
     def output_len() -> int:
         return int(rng.integers(spec.uniform_tokens[0], spec.uniform_tokens[1] + 1))
 
-    system = tokens(spec.system_prompt_tokens)
+    systems = [tokens(spec.system_prompt_tokens) for _ in range(spec.num_prefixes)]
     turns_per_conversation = 1 if spec.kind == "shared-prefix" else spec.num_turns
     num_conversations = -(-spec.num_requests // turns_per_conversation)
+    # Conversation c starts with system prompt c mod num_prefixes, in a shuffled order.
+    system_of = [c % spec.num_prefixes for c in range(num_conversations)]
+    if spec.num_prefixes > 1:
+        system_of = [system_of[int(i)] for i in rng.permutation(num_conversations)]
     if spec.arrival == "all-at-once":
         starts = [0.0] * num_conversations
     else:
         burstiness = 1.0 if spec.arrival == "poisson" else spec.burstiness
         starts = draw_arrival_times(num_conversations, spec.request_rate, burstiness, rng)
     requests: list[WorkloadRequest] = []
-    for start in starts:
-        history = list(system)
+    for start, system_index in zip(starts, system_of):
+        history = list(systems[system_index])
         for turn in range(turns_per_conversation):
             if len(requests) == spec.num_requests:
                 break

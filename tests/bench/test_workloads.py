@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -152,6 +153,18 @@ def test_shared_prefix_workload_shares_an_exact_system_prompt() -> None:
         assert all(1000 <= t <= 20000 for t in ids)
     assert len({tuple(r.prompt_token_ids[512:]) for r in requests}) == 64  # type: ignore[index]
     assert generate_workload(spec) == requests
+
+
+def test_shared_prefix_workload_spreads_requests_evenly_over_its_prefixes() -> None:
+    spec = WorkloadSpec(num_requests=128, kind="shared-prefix", num_prefixes=8, system_prompt_tokens=64,
+                        user_tokens=(8, 16))
+    requests = generate_workload(spec)
+    systems = [tuple(r.prompt_token_ids[:64]) for r in requests]  # type: ignore[index]
+    assert sorted(Counter(systems).values()) == [16] * 8
+    assert systems[:8] != systems[8:16] and len(set(systems[:16])) > 1  # shuffled, not in runs
+    assert generate_workload(spec) == requests
+    with pytest.raises(ValueError, match="num_prefixes"):
+        WorkloadSpec(kind="shared-prefix", num_prefixes=0)
 
 
 def test_multi_turn_workload_repeats_earlier_turns_as_prefix() -> None:

@@ -55,7 +55,7 @@ class ServerProcess:
     def core_pids(self) -> list[int]:
         """The server's engine core process (among its live children: multiprocessing's
         resource tracker is one too)."""
-        return [pid for pid in child_pids(self.process.pid) if b"spawn_main" in _cmdline(pid)]
+        return [pid for pid in child_pids(self.process.pid) if b"spawn_main" in cmdline(pid)]
 
     def stop(self) -> None:
         children = child_pids(self.process.pid)
@@ -65,6 +65,16 @@ class ServerProcess:
         for pid in children:  # they die with the server anyway (the core watches its parent)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every live process under `pid` (children, theirs, ...)."""
+    found, frontier = [], [pid]
+    while frontier:
+        children = child_pids(frontier.pop())
+        found += children
+        frontier += children
+    return found
 
 
 def child_pids(pid: int) -> list[int]:
@@ -83,7 +93,7 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
-def _cmdline(pid: int) -> bytes:
+def cmdline(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read()
@@ -106,7 +116,7 @@ def _free_port() -> int:
 
 
 def start_server(*args: str, env: dict[str, str] | None = None, cli: bool = False,
-                 common_args: list[str] | None = None) -> ServerProcess:
+                 common_args: list[str] | None = None, startup_timeout: float = STARTUP_TIMEOUT_S) -> ServerProcess:
     """Start the server on a free port and wait for /health.
 
     By default `python -m backfill.entrypoints.openai.api_server` with COMMON_ARGS; `cli=True`
@@ -123,7 +133,7 @@ def start_server(*args: str, env: dict[str, str] | None = None, cli: bool = Fals
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                env={**os.environ, **(env or {})})
     server = ServerProcess(process, f"http://127.0.0.1:{port}", log.name)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + startup_timeout
     try:
         while time.monotonic() < deadline:
             if process.poll() is not None:
@@ -134,7 +144,7 @@ def start_server(*args: str, env: dict[str, str] | None = None, cli: bool = Fals
             except httpx.TransportError:
                 pass
             time.sleep(0.25)
-        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{server.log()[-4000:]}")
+        raise RuntimeError(f"server not healthy after {startup_timeout} s:\n{server.log()[-4000:]}")
     except BaseException:
         server.stop()
         raise

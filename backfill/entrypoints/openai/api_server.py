@@ -71,6 +71,22 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.to_dict(), status_code=error.status_code, headers=error.headers)
 
 
+def health_response(method: str, *, dead: bool, draining: bool) -> Response:
+    """/health: 200, or 503 once the engine died or while draining; HEAD: the same, no body."""
+    if dead:
+        response = error_response(APIError(503, "the engine failed; the server exits", "server_error",
+                                           code="engine_dead"))
+    elif draining:
+        response = error_response(APIError(503, "shutting down", "server_error", code="shutting_down",
+                                           headers={"Retry-After": str(RETRY_AFTER_S)}))
+    else:
+        response = JSONResponse({"status": "ok"})
+    if method == "HEAD":  # the same status and headers, no body
+        headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+        return Response(status_code=response.status_code, headers=headers)
+    return response
+
+
 class ServerState:
     """What the gate and the drain share: whether we still admit, and how many /v1 calls run."""
 
@@ -289,18 +305,7 @@ def build_app(core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer, *, served
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: Request) -> Response:
-        if async_engine.is_dead:
-            response = error_response(APIError(503, "the engine failed; the server exits", "server_error",
-                                               code="engine_dead"))
-        elif state.draining:
-            response = error_response(APIError(503, "shutting down", "server_error", code="shutting_down",
-                                               headers={"Retry-After": str(RETRY_AFTER_S)}))
-        else:
-            response = JSONResponse({"status": "ok"})
-        if request.method == "HEAD":  # the same status and headers, no body
-            headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
-            return Response(status_code=response.status_code, headers=headers)
-        return response
+        return health_response(request.method, dead=async_engine.is_dead, draining=state.draining)
 
     @app.get("/version")
     async def version() -> Response:

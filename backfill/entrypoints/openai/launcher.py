@@ -22,12 +22,14 @@ from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
 
 import uvicorn
+from fastapi import FastAPI
 
 from backfill.config import EngineConfig
 from backfill.engine.core_process import CoreProcess, CoreStartError, make_engine_core
 from backfill.engine.messages import CoreInfo
 from backfill.entrypoints.openai.api_server import build_app
 from backfill.entrypoints.openai.serving import DEFAULT_MAX_SEQS_PER_REQUEST
+from backfill.entrypoints.ray_serve.options import add_ray_arguments
 from backfill.entrypoints.openai.transport import DEFAULT_READ_TIMEOUT_S, ReadTimeoutH11Protocol, RedactSecretsFilter
 
 if TYPE_CHECKING:
@@ -60,7 +62,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     parser.add_argument("--price-per-hour", type=float, default=None,
                         help="USD per hour of the machine: /dashboard and /v1/stats show the cost per 1M output tokens")
+    add_ray_arguments(parser)
     EngineConfig.add_cli_args(parser)
+
+
+# Run by exit_now first (the Ray server stops its local Ray instance there): os._exit skips atexit.
+EXIT_HOOKS: list[Callable[[], None]] = []
 
 
 def exit_now(status: int) -> NoReturn:
@@ -69,6 +76,9 @@ def exit_now(status: int) -> NoReturn:
     NOTE: tearing down torch, the weights and the KV cache takes a second or more (more on a
     loaded machine), which a SIGTERM deadline has no room for; nothing of it needs doing.
     """
+    for hook in EXIT_HOOKS:
+        with contextlib.suppress(Exception):
+            hook()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -128,8 +138,8 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Load the engine, serve until SIGTERM/SIGINT, drain, exit. Returns the exit status."""
+def check_server_args(args: argparse.Namespace) -> EngineConfig | None:
+    """The engine config from the `backfill serve` options, or None (logged) when one is invalid."""
     for flag, value, ok in (("--max-queue", args.max_queue, args.max_queue is None or args.max_queue >= 1),
                             ("--max-seqs-per-request", args.max_seqs_per_request, args.max_seqs_per_request >= 1),
                             ("--read-timeout", args.read_timeout, args.read_timeout > 0),
@@ -138,55 +148,81 @@ def run_server(args: argparse.Namespace) -> int:
                              args.price_per_hour is None or args.price_per_hour >= 0)):
         if not ok:
             logger.error("invalid %s: %s", flag, value)
-            return 2
+            return None
     try:
-        config = EngineConfig.from_cli_args(args)
+        return EngineConfig.from_cli_args(args)
     except ValueError as error:
         logger.error("invalid engine option: %s", error)
-        return 2
+        return None
+
+
+def start_engine(config: EngineConfig) -> tuple[CoreProcess, CoreInfo, Tokenizer]:
+    """Start the engine core process and load the tokenizer meanwhile; raises (the core
+    closed) when the model cannot be loaded. Call it from the thread the core should die with."""
     from backfill.tokenizer import load_tokenizer
 
-    # NOTE: started from the main thread: the core dies with the thread that started it.
     core = CoreProcess(functools.partial(make_engine_core, config))
     core.launch()  # the model loads there while the tokenizer loads here
     try:
         tokenizer = load_tokenizer(config.model)
         info = core.wait_ready()
-    except (CoreStartError, OSError, ValueError) as error:  # no such model, or one we cannot load
-        logger.error("%s", error)
-        core.close()
-        return 1
     except BaseException:
         core.close()
         raise
-    try:
-        status, drained = _serve(args, core, info, tokenizer)
-    finally:
-        core.kill()  # whatever happened: no core outlives the server
-    if drained:  # after a signal: exit at once, see exit_now
-        exit_now(status)
-    return status
+    return core, info, tokenizer
 
 
-def _serve(args: argparse.Namespace, core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer) -> tuple[int, bool]:
-    """Serve until told to stop; returns the exit status and whether a signal drained the app."""
+def app_from_args(args: argparse.Namespace, core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer) -> FastAPI:
+    """build_app with the `backfill serve` options: the single server's app, and each Ray replica's."""
     api_key = args.api_key or os.environ.get("BACKFILL_API_KEY") or None
-    app = build_app(core, info, tokenizer, served_model_name=args.served_model_name, api_key=api_key,
-                    max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
-                    max_seqs_per_request=args.max_seqs_per_request, price_per_hour=args.price_per_hour)
+    return build_app(core, info, tokenizer, served_model_name=args.served_model_name, api_key=api_key,
+                     max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
+                     max_seqs_per_request=args.max_seqs_per_request, price_per_hour=args.price_per_hour)
+
+
+def serve_app(app: FastAPI, args: argparse.Namespace, drain: Callable[[], Awaitable[None]]) -> tuple[int, bool]:
+    """Run uvicorn over `app` until told to stop (a signal drains through `drain`); returns the
+    exit status and whether a signal drained the app."""
     # NOTE: h11 explicitly (not httptools, were it installed): the read timeout hooks into it.
     http = functools.partial(ReadTimeoutH11Protocol, read_timeout=args.read_timeout)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, access_log=args.access_log, http=http,
                                log_level="info", timeout_graceful_shutdown=CLOSE_CONNECTIONS_S, lifespan="on")
     # After uvicorn.Config, which configures its loggers (and would drop a filter added before).
     logging.getLogger("uvicorn.access").addFilter(RedactSecretsFilter())
-    server = DrainingServer(uv_config, app.state.drain, args.shutdown_timeout)
+    server = DrainingServer(uv_config, drain, args.shutdown_timeout)
     app.state.exit = server.exit_with
-    logger.info("serving %s as %r on http://%s:%d", args.model or "the default model",
-                args.served_model_name or info.model_name, args.host, args.port)
     server.run()
     status = 0 if server.started else 1
     return (status if server.exit_status is None else server.exit_status), server.drain_started
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Load the engine, serve until SIGTERM/SIGINT, drain, exit. Returns the exit status.
+    With --replicas (or --ray-address): N engines behind one endpoint on Ray Serve."""
+    if args.replicas is not None or args.ray_address is not None:
+        # NOTE: imported here only: the single-process server never imports Ray.
+        from backfill.entrypoints.ray_serve.launcher import run_ray_server
+
+        return run_ray_server(args)
+    config = check_server_args(args)
+    if config is None:
+        return 2
+    # NOTE: started from the main thread: the core dies with the thread that started it.
+    try:
+        core, info, tokenizer = start_engine(config)
+    except (CoreStartError, OSError, ValueError) as error:  # no such model, or one we cannot load
+        logger.error("%s", error)
+        return 1
+    try:
+        app = app_from_args(args, core, info, tokenizer)
+        logger.info("serving %s as %r on http://%s:%d", args.model or "the default model",
+                    args.served_model_name or info.model_name, args.host, args.port)
+        status, drained = serve_app(app, args, app.state.drain)
+    finally:
+        core.kill()  # whatever happened: no core outlives the server
+    if drained:  # after a signal: exit at once, see exit_now
+        exit_now(status)
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

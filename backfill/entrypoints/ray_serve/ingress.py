@@ -1,0 +1,225 @@
+"""The ingress app of `backfill serve --replicas N`: one OpenAI endpoint over N engine replicas.
+
+It runs in the `backfill serve` process under uvicorn (launcher.serve_app, as the single server
+does) and stays light: the same gate as the single server (API key, 503 while draining), then
+every request is forwarded whole (method, path, headers, body) through the deployment handle to
+a replica chosen by BackfillRouter, which runs the single server's app on it and streams the
+response back. Server-sent events are passed on as they come; other responses are sent once
+complete, so a replica that dies first still gets the client a proper error.
+
+- a replica dying mid-request      -> 503 `replica_failed` (or, mid-stream, an error event and [DONE]);
+                                      one dying before it accepted the request: another replica
+- draining after SIGTERM           -> 503 for new requests; in-flight ones get --shutdown-timeout,
+                                      then are cancelled (their replicas abort them)
+- /metrics                         -> every replica's series with a `replica` label, and
+                                      backfill:router_requests_total{reason,replica}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from backfill import __version__
+from backfill.entrypoints.openai.api_server import (ABORT_FLUSH_S, GateMiddleware, ServerState, error_response,
+                                                    health_response, read_body)
+from backfill.entrypoints.openai.http_extras import RequestIdMiddleware
+from backfill.entrypoints.openai.metrics import CONTENT_TYPE
+from backfill.entrypoints.openai.serving import RETRY_AFTER_S, SSE_DONE, sse
+from backfill.entrypoints.openai.wire import APIError
+from backfill.entrypoints.ray_serve.asgi_call import Accepted, ForwardedRequest, ResponseStart
+from backfill.entrypoints.ray_serve.metrics_merge import merge_metrics, router_metrics
+from backfill.entrypoints.ray_serve.prefix_index import routing_text
+from backfill.entrypoints.ray_serve.policy import all_decisions
+
+logger = logging.getLogger(__name__)
+
+METRICS_TIMEOUT_S = 10.0
+MAX_ATTEMPTS = 3  # replicas a request is sent to when they fail before answering  # a replica that does not answer in time is left out of /metrics
+
+
+def replica_failed() -> APIError:
+    return APIError(503, "the engine replica serving this request failed; retry it", "server_error",
+                    code="replica_failed", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def shut_down() -> APIError:
+    return APIError(503, "the server shut down before the request finished", "server_error",
+                    code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+class Forwarder:
+    """Sends requests to the replicas and their responses back; tracks what is in flight."""
+
+    def __init__(self, handle: DeploymentHandle, replica_name_prefix: str) -> None:
+        self._handle = handle.options(stream=True)
+        self._replica_name_prefix = replica_name_prefix
+        self._in_flight: set[DeploymentResponseGenerator] = set()
+        self.aborting = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        try:
+            body = await read_body(request)
+        except APIError as error:
+            await error_response(error)(scope, receive, send)
+            return
+        except ClientDisconnect:
+            return
+        text = ""
+        with contextlib.suppress(ValueError, AttributeError):
+            parsed = json.loads(body) if body else {}
+            text = routing_text(scope["path"], parsed) if isinstance(parsed, dict) else ""
+        forwarded = ForwardedRequest(scope["method"], scope["path"], scope.get("query_string", b""),
+                                     list(scope.get("headers") or []), body, scope.get("client"), text)
+        # A replica that fails before accepting the request (it died, or Ray had not yet noticed
+        # it dead) never ran it: the request goes to another, up to MAX_ATTEMPTS times.
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            responses = self._handle.remote(forwarded)
+            self._in_flight.add(responses)
+            watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+            relay = asyncio.ensure_future(self._relay(responses, send, last_attempt=attempt == MAX_ATTEMPTS))
+            try:
+                await asyncio.wait({relay, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if not relay.done():  # the client went away: the replica aborts the request
+                    responses.cancel()
+                    relay.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await relay
+                    return
+                if relay.result():
+                    return
+            finally:
+                watcher.cancel()
+                self._in_flight.discard(responses)
+
+    async def _relay(self, responses: DeploymentResponseGenerator, send: Send, last_attempt: bool) -> bool:
+        """Pass the response on; False (nothing sent) when the replica failed before accepting
+        the request and another may be tried."""
+        accepted = False
+        start: ResponseStart | None = None
+        streaming = False
+        chunks: list[bytes] = []
+        try:
+            async for part in responses:
+                if isinstance(part, Accepted):
+                    accepted = True
+                elif isinstance(part, ResponseStart):
+                    start = part
+                    streaming = dict(part.headers).get(b"content-type", b"").startswith(b"text/event-stream")
+                    if streaming:
+                        await send({"type": "http.response.start", "status": part.status, "headers": part.headers})
+                elif streaming:
+                    await send({"type": "http.response.body", "body": part, "more_body": True})
+                else:
+                    chunks.append(part)
+        except Exception as failure:  # the replica died, or the drain cancelled the request
+            logger.warning("request to a replica failed: %s", type(failure).__name__)
+            if not accepted and not last_attempt and not self.aborting:
+                return False
+            error = shut_down() if self.aborting else replica_failed()
+            if streaming:
+                tail = (sse(error.to_dict()) + SSE_DONE).encode()
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+            else:
+                await _send_error(error, send)
+            return True
+        if streaming:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        elif start is None:
+            await _send_error(replica_failed(), send)
+        else:
+            await send({"type": "http.response.start", "status": start.status, "headers": start.headers})
+            await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": False})
+        return True
+
+    def abort_all(self) -> None:
+        self.aborting = True
+        for responses in list(self._in_flight):
+            responses.cancel()
+
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """Each live replica's `record_routing_stats`, asked now, by replica label."""
+        actors = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
+        names = sorted(a["name"] for a in actors
+                       if a.get("namespace") == "serve" and a["name"].startswith(self._replica_name_prefix))
+
+        async def one(name: str) -> dict[str, Any] | None:
+            try:
+                actor = ray.get_actor(name, namespace="serve")
+                return await asyncio.wait_for(actor.record_routing_stats.remote(), METRICS_TIMEOUT_S)
+            except Exception:  # gone or restarting: no series this time
+                return None
+
+        results = await asyncio.gather(*(one(name) for name in names))
+        return {name[len(self._replica_name_prefix):]: stats for name, stats in zip(names, results) if stats}
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send_error(error: APIError, send: Send) -> None:
+    response = error_response(error)
+
+    async def no_receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    await response({"type": "http"}, no_receive, send)
+
+
+def build_ingress(handle: DeploymentHandle, replica_name_prefix: str, *, api_key: str | None,
+                  shutdown_timeout: float) -> FastAPI:
+    """The ingress app; `app.state.drain()` as build_app's (the replicas' requests are what drains)."""
+    state = ServerState()
+    forwarder = Forwarder(handle, replica_name_prefix)
+    app = FastAPI(title="backfill", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.exit = lambda status: None
+    app.state.forwarder = forwarder
+
+    async def drain() -> None:
+        state.draining = True
+        deadline = time.monotonic() + shutdown_timeout
+        while state.num_active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if state.num_active:
+            logger.warning("grace period over: aborting %d in-flight requests", state.num_active)
+            forwarder.abort_all()
+            deadline = time.monotonic() + ABORT_FLUSH_S
+            while state.num_active and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+
+    app.state.drain = drain
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health(request: Request) -> Response:
+        return health_response(request.method, dead=False, draining=state.draining)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = await forwarder.replica_stats()
+        text = merge_metrics({label: s["metrics"] for label, s in stats.items()}) + router_metrics(all_decisions())
+        return Response(text, media_type=CONTENT_TYPE)
+
+    app.add_middleware(GateMiddleware, state=state, api_key=api_key)
+    app.add_middleware(RequestIdMiddleware)
+    # NOTE: the routes above are the ingress's own; every other path (including unknown ones,
+    # which the replica's app answers with its own 404) goes to a replica.
+    app.router.default = forwarder  # type: ignore[assignment]
+    return app

@@ -1,0 +1,152 @@
+"""`backfill serve --replicas N [--ray-address ADDR]`: Ray up, the engine deployment, the ingress.
+
+Without --ray-address a local Ray instance is started on 127.0.0.1 (no dashboard, no usage
+stats, its files in a temporary directory), and stopped on exit: no Ray process outlives the
+server. The ingress is served by uvicorn in this process exactly as the single server is
+(launcher.serve_app: the same read timeout, access log and SIGTERM drain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import shutil
+import signal
+import tempfile
+
+from backfill.entrypoints.openai.launcher import EXIT_HOOKS, check_server_args, exit_now, serve_app
+from backfill.entrypoints.ray_serve.options import RouterConfig
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "backfill"
+DEPLOYMENT_NAME = "EngineReplica"
+# The engine has its own admission control (--max-queue): Ray Serve must not queue or refuse.
+MAX_ONGOING_REQUESTS = 100_000
+ROUTING_STATS_PERIOD_S = 0.5  # how often each replica reports its engine's load to the router
+HEALTH_CHECK_PERIOD_S = 2.0
+# By import path: Ray Serve imports it in the process that holds the handle (this one).
+ROUTER_CLASS = "backfill.entrypoints.ray_serve.router.BackfillRouter"
+
+
+def run_ray_server(args: argparse.Namespace) -> int:
+    config = check_server_args(args)
+    if config is None:
+        return 2
+    try:
+        router_config = RouterConfig.from_cli_args(args)
+    except ValueError as error:
+        logger.error("%s", error)
+        return 2
+    num_replicas = 1 if args.replicas is None else args.replicas
+    if num_replicas < 1:
+        logger.error("invalid --replicas: %s", num_replicas)
+        return 2
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
+    # NOTE: else a Ray call still under way after ray.shutdown() (the router's load poll) would
+    # start a new local instance, which nothing would stop.
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+    local = args.ray_address is None
+    temp_dir = None
+    if local:
+        # NOTE: else Ray binds its local instance to the machine's address, not to 127.0.0.1.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        temp_dir = tempfile.mkdtemp(prefix="backfill-ray-")
+        os.environ["RAY_TMPDIR"] = temp_dir  # for every Ray process: nothing lands in /tmp/ray
+        # However the process ends (the drain's deadline included), the local instance goes too.
+        EXIT_HOOKS.append(functools.partial(_remove_local_ray, temp_dir))
+    import ray
+
+    num_threads = config.num_threads or 1
+    status, drained = 1, False
+    try:
+        if local:
+            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=temp_dir,
+                     num_cpus=max(os.cpu_count() or 1, num_replicas * num_threads), logging_level=logging.WARNING)
+        else:
+            ray.init(address=args.ray_address, logging_level=logging.WARNING)
+        status, drained = _serve(args, router_config, num_replicas, num_threads)
+    except (ConnectionError, RuntimeError) as error:  # no cluster there, or the replicas failed to start
+        logger.error("%s", error)
+    finally:
+        _stop_ray(local)
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    if drained:
+        exit_now(status)
+    return status
+
+
+def _stop_ray(local: bool) -> None:
+    """Remove our replicas: with the local Ray instance itself (every process this server started,
+    the replicas' engine cores included, is killed), or from the cluster we joined."""
+    import ray
+    from ray import serve
+
+    if local:
+        _kill_descendants()
+    else:
+        with contextlib.suppress(Exception):
+            serve.delete(APP_NAME)
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+
+
+def _remove_local_ray(temp_dir: str) -> None:
+    _kill_descendants()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _kill_descendants() -> None:
+    for pid in _descendants(os.getpid()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process under `pid`, from /proc (Linux)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            parents.setdefault(parent, []).append(int(entry))
+    found, frontier = [], [pid]
+    while frontier:
+        children = parents.get(frontier.pop(), [])
+        found += children
+        frontier += children
+    return found
+
+
+def _serve(args: argparse.Namespace, router_config: RouterConfig, num_replicas: int,
+           num_threads: int) -> tuple[int, bool]:
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from backfill.entrypoints.ray_serve.engine_replica import EngineReplica
+    from backfill.entrypoints.ray_serve.ingress import build_ingress
+
+    serve.start(proxy_location="Disabled")  # the ingress below is the only HTTP server
+    deployment = serve.deployment(
+        EngineReplica, name=DEPLOYMENT_NAME, num_replicas=num_replicas, max_ongoing_requests=MAX_ONGOING_REQUESTS,
+        max_queued_requests=-1, ray_actor_options={"num_cpus": num_threads},
+        health_check_period_s=HEALTH_CHECK_PERIOD_S, graceful_shutdown_timeout_s=args.shutdown_timeout,
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTER_CLASS, request_router_kwargs=dataclasses.asdict(router_config),
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S))
+    server_args = {k: v for k, v in vars(args).items() if k not in ("func",)}
+    handle = serve.run(deployment.bind(server_args), name=APP_NAME, route_prefix=None)
+    api_key = args.api_key or os.environ.get("BACKFILL_API_KEY") or None
+    app = build_ingress(handle, f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#", api_key=api_key,
+                        shutdown_timeout=args.shutdown_timeout)
+    logger.info("serving %s on %d replicas (router: %s) on http://%s:%d", args.model or "the default model",
+                num_replicas, router_config.policy, args.host, args.port)
+    return serve_app(app, args, app.state.drain)

@@ -1,0 +1,94 @@
+"""BackfillRouter: Ray Serve's RequestRouter for the engine replicas (RoutingPolicy decides).
+
+Ray Serve runs one router per deployment handle, in the process holding the handle: the ingress
+(the `backfill serve` process), which reads the decisions for /metrics through
+policy.all_decisions.
+
+NOTE: Ray Serve pickles this module by value (its globals are copied), so it holds no state of
+its own: the policies register in policy.py, imported by reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+
+from backfill.entrypoints.ray_serve.options import RouterConfig
+from backfill.entrypoints.ray_serve.policy import RoutingPolicy, register_policy
+
+# How often the router asks each replica for its engine's load. NOTE: Ray Serve's own
+# `routing_stats` (what record_routing_stats returned, relayed by the controller) can lag by
+# seconds, so the router asks the replicas itself.
+LOAD_POLL_PERIOD_S = 0.2
+LOAD_POLL_TIMEOUT_S = 5.0  # a replica that does not answer keeps its last known load
+
+
+def replica_label(replica_id: ReplicaID) -> str:
+    """The `replica` label of a replica's metrics: its id within the deployment."""
+    return str(replica_id.unique_id)
+
+
+class BackfillRouter(RequestRouter):
+    """Routes each request by RoutingPolicy; loads come from the replicas' `record_routing_stats`
+    (EngineReplica: its engine's running + waiting sequences), asked every LOAD_POLL_PERIOD_S."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._policy = RoutingPolicy(RouterConfig(**kwargs))
+        self._reasons: dict[str, str] = {}  # request_id -> reason of its latest choice
+        self._loads: dict[ReplicaID, int] = {}
+        self._poller: asyncio.Task[None] | None = None
+        register_policy(self._policy)
+
+    async def _poll_loads(self) -> None:
+        async def load(replica: RunningReplica) -> int:
+            call = replica._actor_handle.record_routing_stats.remote()  # noqa: SLF001
+            stats = await asyncio.wait_for(call, LOAD_POLL_TIMEOUT_S)
+            return int(stats["load"])
+
+        while True:
+            replicas = list(self._replicas.values())
+            results = await asyncio.gather(*(load(r) for r in replicas), return_exceptions=True)
+            self._loads.update({r.replica_id: x for r, x in zip(replicas, results) if isinstance(x, int)})
+            for replica_id in set(self._loads) - set(self._replicas):
+                del self._loads[replica_id]
+            await asyncio.sleep(LOAD_POLL_PERIOD_S)
+
+    def _engine_load(self, replica: RunningReplica) -> int:
+        if replica.replica_id in self._loads:
+            return self._loads[replica.replica_id]
+        with contextlib.suppress(TypeError, ValueError):
+            return int(replica.routing_stats.get("load", 0))
+        return 0
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if self._poller is None:  # here: on the event loop the router runs on
+            self._poller = asyncio.ensure_future(self._poll_loads())
+        if pending_request is None or not candidate_replicas:
+            return [candidate_replicas]
+        by_id = {replica.replica_id: replica for replica in candidate_replicas}
+        args = pending_request.args
+        text = getattr(args[0], "routing_text", "") if args else ""
+        loads = {replica.replica_id: self._engine_load(replica) for replica in candidate_replicas}
+        request_id = pending_request.metadata.internal_request_id
+        chosen, reason = self._policy.choose(request_id, text, list(by_id), loads)
+        self._reasons[request_id] = reason
+        # The others after it: should the chosen one refuse, Ray Serve tries them in turn.
+        return [[by_id[chosen]], [r for r in candidate_replicas if r.replica_id != chosen]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        reason = self._reasons.pop(pending_request.metadata.internal_request_id, None)
+        if reason is not None:
+            self._policy.record(reason, replica_label(replica_id))
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._reasons.pop(internal_request_id, None)
+        self._policy.complete(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._policy.forget(replica_id)

@@ -1,0 +1,161 @@
+"""The Ray Serve pieces that need no Ray: the routing policy, the prefix index, the merged /metrics
+text, and running a forwarded request through an ASGI app (asgi_call)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from backfill.entrypoints.ray_serve.asgi_call import ForwardedRequest, ResponseStart, call_app
+from backfill.entrypoints.ray_serve.metrics_merge import merge_metrics, router_metrics
+from backfill.entrypoints.ray_serve.options import RouterConfig
+from backfill.entrypoints.ray_serve.policy import RoutingPolicy
+from backfill.entrypoints.ray_serve.prefix_index import BLOCK_CHARS, PrefixIndex, block_hashes, routing_text
+
+REPLICAS = ["a", "b"]
+SYSTEMS = [f"System prompt {k}: " + "you are a helpful assistant. " * 20 for k in range(8)]
+
+
+def workload(seed: int = 0) -> list[tuple[int, str]]:
+    """8 system prompts x 16 user turns, shuffled: (system index, prompt text)."""
+    requests = [(k, SYSTEMS[k] + f"User {turn}: question {turn}?") for k in range(8) for turn in range(16)]
+    random.Random(seed).shuffle(requests)
+    return requests
+
+
+def route_serially(policy: RoutingPolicy) -> dict[int, set[str]]:
+    """Each request finishes before the next arrives; returns the replicas each system prompt met."""
+    met: dict[int, set[str]] = defaultdict(set)
+    for n, (k, text) in enumerate(workload()):
+        replica, reason = policy.choose(f"r{n}", text, REPLICAS, {})
+        policy.record(reason, replica)
+        policy.complete(f"r{n}")
+        met[k].add(replica)
+    return met
+
+
+def test_cache_aware_keeps_each_system_prompt_on_one_replica_and_spreads_them() -> None:
+    policy = RoutingPolicy(RouterConfig())
+    met = route_serially(policy)
+    assert all(len(replicas) == 1 for replicas in met.values())
+    per_replica = Counter(next(iter(replicas)) for replicas in met.values())
+    assert per_replica == {"a": 4, "b": 4}  # each new prompt went to the replica holding less
+    decisions = policy.decisions()
+    assert sum(v for (reason, _), v in decisions.items() if reason == "smallest_tree") == 8
+    assert sum(v for (reason, _), v in decisions.items() if reason == "prefix") == 8 * 15
+
+
+def test_round_robin_sends_every_system_prompt_everywhere() -> None:
+    met = route_serially(RoutingPolicy(RouterConfig(policy="round-robin")))
+    assert all(replicas == {"a", "b"} for replicas in met.values())
+
+
+def test_imbalance_follows_both_thresholds() -> None:
+    policy = RoutingPolicy(RouterConfig(balance_abs_threshold=4, balance_rel_threshold=1.5))
+    text = SYSTEMS[0]
+    chosen = [policy.choose(f"r{n}", text, REPLICAS, {}) for n in range(7)]
+    # 0..4 in flight on the first replica: balanced (5 - 0 > 4 first holds for the 6th request).
+    assert [reason for _, reason in chosen] == ["smallest_tree"] + ["prefix"] * 4 + ["least_loaded", "prefix"]
+    first = chosen[0][0]
+    assert all(replica == first for replica, _ in chosen[:5]) and chosen[5][0] != first
+    # The engines' own counts (running + waiting) weigh too: 20 reported vs 2 in flight.
+    assert policy.choose("x", text, REPLICAS, {first: 20}) == (chosen[5][0], "least_loaded")
+    # Both thresholds must be exceeded: 12 vs 9 differ by 3 > 2 but 12 <= 1.5 x 9: balanced, the
+    # prefix wins; 14 vs 6: imbalanced.
+    policy2 = RoutingPolicy(RouterConfig(balance_abs_threshold=2, balance_rel_threshold=1.5))
+    policy2.choose("seed", text, REPLICAS, {})
+    holder = policy2.choose("seed2", text, REPLICAS, {})[0]
+    other2 = next(r for r in REPLICAS if r != holder)
+    assert policy2.choose("y", text, REPLICAS, {holder: 12, other2: 9}) == (holder, "prefix")
+    assert policy2.choose("z", text, REPLICAS, {holder: 14, other2: 6}) == (other2, "least_loaded")
+
+
+def test_complete_and_forget_release_what_a_request_held() -> None:
+    policy = RoutingPolicy(RouterConfig(balance_abs_threshold=0, balance_rel_threshold=1.0))
+    replica, _ = policy.choose("r1", SYSTEMS[0], REPLICAS, {})
+    policy.complete("r1")
+    assert policy.choose("r2", SYSTEMS[0], REPLICAS, {}) == (replica, "prefix")  # nothing in flight
+    policy.choose("r2", SYSTEMS[0], REPLICAS, {})  # chosen again (Ray retried it): counted once
+    policy.complete("r2")
+    assert policy.choose("r3", SYSTEMS[0], REPLICAS, {}) == (replica, "prefix")  # any load left would tip it
+    policy.forget(replica)
+    assert policy.index.num_blocks(replica) == 0
+
+
+def test_prefix_index_matches_leading_blocks_and_evicts_the_oldest() -> None:
+    index = PrefixIndex(max_blocks_per_replica=4)
+    text = "x" * (3 * BLOCK_CHARS + 5)
+    index.insert(block_hashes(text), "a")
+    assert index.match(block_hashes(text[:2 * BLOCK_CHARS] + "y" * BLOCK_CHARS), ["a", "b"]) == {"a": 2, "b": 0}
+    index.insert(block_hashes("z" * 2 * BLOCK_CHARS), "a")
+    assert index.num_blocks("a") == 4 and index.match(block_hashes(text), ["a"]) == {"a": 0}  # its first went
+
+
+@pytest.mark.parametrize(("path", "body", "expected"), [
+    ("/v1/completions", {"prompt": "Hello"}, "Hello"),
+    ("/v1/completions", {"prompt": [1, 22]}, "1,22,"),
+    ("/v1/completions", {"prompt": [[1, 2], [3]]}, "1,2,"),
+    ("/v1/completions", {"prompt": ["first", "second"]}, "first"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]},
+     "system:Be brief.\nuser:Hi\n"),
+    ("/v1/responses", {"instructions": "Be brief. ", "input": "Hi"}, "Be brief. Hi"),
+    ("/v1/completions", {"prompt": None}, ""),
+])
+def test_routing_text(path: str, body: dict[str, object], expected: str) -> None:
+    assert routing_text(path, body) == expected
+
+
+def test_merged_metrics_label_each_replica_and_keep_one_header_per_family() -> None:
+    text = ("# HELP backfill:x_total X.\n# TYPE backfill:x_total counter\n"
+            'backfill:x_total{model_name="m"} 1.0\n# HELP backfill:y Y.\n# TYPE backfill:y gauge\nbackfill:y 2.0\n')
+    merged = merge_metrics({"r1": text, "r2": text.replace("1.0", "3.0")})
+    assert merged.count("# HELP backfill:x_total") == 1 and merged.count("# TYPE backfill:y") == 1
+    lines = merged.splitlines()
+    assert lines[2:4] == ['backfill:x_total{replica="r1",model_name="m"} 1.0',
+                          'backfill:x_total{replica="r2",model_name="m"} 3.0']
+    assert 'backfill:y{replica="r2"} 2.0' in lines
+    router = router_metrics({("prefix", "r1"): 3})
+    assert 'backfill:router_requests_total{reason="prefix",replica="r1"} 3.0' in router.splitlines()
+
+
+def test_call_app_streams_the_response_and_reports_a_disconnect() -> None:
+    app = FastAPI()
+    seen: list[str] = []
+
+    @app.post("/echo")
+    async def echo(request: Request) -> StreamingResponse:
+        body = await request.body()
+
+        async def parts() -> AsyncIterator[bytes]:
+            try:
+                for i in range(1000):
+                    yield body + str(i).encode()
+                    await asyncio.sleep(0.001)
+            finally:
+                seen.append("closed")
+
+        return StreamingResponse(parts(), media_type="text/plain", headers={"X-A": "1"})
+
+    async def main() -> list[object]:
+        request = ForwardedRequest("POST", "/echo", b"", [(b"content-type", b"text/plain")], b"hi")
+        received: list[object] = []
+        parts = call_app(app, request)
+        async for part in parts:
+            received.append(part)
+            if b"hi2" in b"".join(p for p in received if isinstance(p, bytes)):
+                break
+        await parts.aclose()  # the caller went away
+        return received
+
+    received = asyncio.run(main())
+    start = received[0]
+    assert isinstance(start, ResponseStart) and start.status == 200 and (b"x-a", b"1") in start.headers
+    assert b"".join(received[1:]).startswith(b"hi0hi1hi2")  # type: ignore[arg-type]
+    assert seen == ["closed"]  # the app saw the disconnect and stopped
