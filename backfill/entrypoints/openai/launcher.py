@@ -172,10 +172,14 @@ def start_engine(config: EngineConfig) -> tuple[CoreProcess, CoreInfo, Tokenizer
     return core, info, tokenizer
 
 
+def api_key_from_args(args: argparse.Namespace) -> str | None:
+    """The key clients must send: --api-key, else $BACKFILL_API_KEY; None (no key) when neither is set."""
+    return args.api_key or os.environ.get("BACKFILL_API_KEY") or None
+
+
 def app_from_args(args: argparse.Namespace, core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer) -> FastAPI:
     """build_app with the `backfill serve` options: the single server's app, and each Ray replica's."""
-    api_key = args.api_key or os.environ.get("BACKFILL_API_KEY") or None
-    return build_app(core, info, tokenizer, served_model_name=args.served_model_name, api_key=api_key,
+    return build_app(core, info, tokenizer, served_model_name=args.served_model_name, api_key=api_key_from_args(args),
                      max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
                      max_seqs_per_request=args.max_seqs_per_request, price_per_hour=args.price_per_hour)
 

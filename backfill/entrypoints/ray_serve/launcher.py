@@ -18,7 +18,7 @@ import shutil
 import signal
 import tempfile
 
-from backfill.entrypoints.openai.launcher import EXIT_HOOKS, check_server_args, exit_now, serve_app
+from backfill.entrypoints.openai.launcher import EXIT_HOOKS, api_key_from_args, check_server_args, exit_now, serve_app
 from backfill.entrypoints.ray_serve.options import RouterConfig
 
 logger = logging.getLogger(__name__)
@@ -144,8 +144,7 @@ def _serve(args: argparse.Namespace, router_config: RouterConfig, num_replicas: 
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S))
     server_args = {k: v for k, v in vars(args).items() if k not in ("func",)}
     handle = serve.run(deployment.bind(server_args), name=APP_NAME, route_prefix=None)
-    api_key = args.api_key or os.environ.get("BACKFILL_API_KEY") or None
-    app = build_ingress(handle, f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#", api_key=api_key,
+    app = build_ingress(handle, f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#", api_key=api_key_from_args(args),
                         shutdown_timeout=args.shutdown_timeout)
     logger.info("serving %s on %d replicas (router: %s) on http://%s:%d", args.model or "the default model",
                 num_replicas, router_config.policy, args.host, args.port)
