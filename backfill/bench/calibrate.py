@@ -8,7 +8,7 @@ and mixed steps (a prompt arriving mid-decode, chunked beside the decodes). Ever
 
 `probe_server` then measures what a server adds: the front end's delay (single requests, their
 TTFT against the simulated one) and the step slowdown when the HTTP process and the client
-share the machine (a small concurrent batch, its TPOT against the simulated one).
+share the machine (concurrent batches of a few sizes, their TPOT against the simulated one).
 """
 
 from __future__ import annotations
@@ -43,12 +43,16 @@ class Scenario:
     late_prompt_len: int = 96
 
 
+# NOTE: decode steps are most of what a server runs, and one step's time varies by ~10% on a
+# shared machine: each decode batch gets many steps, the fit follows their typical time.
 SCENARIOS: tuple[Scenario, ...] = (
-    Scenario(1, 16, 8), Scenario(2, 64, 8), Scenario(4, 128, 8), Scenario(8, 32, 8), Scenario(16, 32, 8),
-    Scenario(32, 16, 8), Scenario(1, 512, 4), Scenario(4, 384, 4),
+    Scenario(1, 16, 24), Scenario(2, 64, 24), Scenario(4, 128, 24), Scenario(8, 32, 24), Scenario(12, 48, 16),
+    Scenario(16, 32, 16), Scenario(24, 24, 12), Scenario(32, 16, 12), Scenario(1, 512, 4), Scenario(4, 384, 4),
     Scenario(4, 768, 6, shared=True), Scenario(16, 512, 6, shared=True), Scenario(32, 256, 6, shared=True),
 )
-PROBE_REPEATS = 3  # batches the server probe times
+PROBE_REPEATS = 3  # batches of each size the server probe times
+PROBE_BATCH_SIZES = (1, 4, 16)  # the server probe's batch sizes (its server's max_num_seqs at least the largest)
+PROBE_TOKENS = 64  # output tokens of each probe request
 
 
 def calibration_engine_config(config: EngineConfig, scenarios: Sequence[Scenario] = SCENARIOS) -> EngineConfig:
@@ -141,11 +145,16 @@ def _run_scenario(engine: LLMEngine, scenario: Scenario, tag: str
     return [shapes[i] for i in kept], [seconds[i] for i in kept], [overheads[i] for i in kept]
 
 
-def probe_server(base_url: str, calibration: Calibration, config: EngineConfig, num_slots: int = 4) -> Calibration:
+def probe_server(base_url: str, calibration: Calibration, config: EngineConfig,
+                 batch_sizes: Sequence[int] = PROBE_BATCH_SIZES) -> Calibration:
     """Measure a running server's front-end delay and step slowdown against `calibration`;
     returns it with `frontend_s` and `served_step_factor` set. `config`: the server's engine
-    settings (its max_model_len sizes the simulated KV pool); `num_slots`: the probe's
-    concurrency, at most the server's max_num_seqs."""
+    settings (its max_model_len sizes the simulated KV pool); `batch_sizes`: the concurrent
+    batches whose decode steps are timed, each at most the server's max_num_seqs.
+
+    The slowdown is the median, over the batch sizes, of measured TPOT / simulated TPOT: the
+    HTTP process and the client take CPU from the engine at every batch size, so one batch
+    size (or one batch, on a shared machine) would set every prediction's speed on its own."""
     from backfill.bench.serve_client import ServeBenchConfig, run_serve_benchmark
     from backfill.bench.simulator import SimRequest, simulate
     from backfill.bench.workloads import WorkloadRequest
@@ -154,11 +163,11 @@ def probe_server(base_url: str, calibration: Calibration, config: EngineConfig, 
     # 1. Single requests, one at a time: TTFT = front end + one prefill step.
     singles = [WorkloadRequest(max_tokens=1, prompt_token_ids=_prompt(500 + i, 32), arrival_time=0.6 * i)
                for i in range(6)]
-    # 2. A small batch at once: its TPOT against the simulated decode steps.
-    batch = [WorkloadRequest(max_tokens=64, prompt_token_ids=_prompt(600 + i, 32), arrival_time=0.0)
-             for i in range(num_slots)]
-    # Warm-up: the server's first steps at each batch shape pay one-time costs (as warm_up here)
-    run_serve_benchmark([replace(r, max_tokens=8) for r in batch], bench)
+
+    def batch(size: int, max_tokens: int = PROBE_TOKENS) -> list[WorkloadRequest]:
+        """`size` requests at once (their prompts new to the server's prefix cache)."""
+        return [WorkloadRequest(max_tokens=max_tokens, prompt_token_ids=_prompt(600 + 37 * size + i, 32),
+                                arrival_time=0.0) for i in range(size)]
 
     def measure(requests: list[WorkloadRequest]) -> dict[str, Any]:
         measured = run_serve_benchmark(requests, bench)
@@ -171,10 +180,16 @@ def probe_server(base_url: str, calibration: Calibration, config: EngineConfig, 
         return simulate(sim_requests, config, model).summary()
 
     base = calibration.with_server(frontend_s=0.0, served_step_factor=1.0)
-    # NOTE: the median of PROBE_REPEATS batches: a few seconds each, so one burst of a
-    # neighbour's work would otherwise set the factor of every prediction.
-    batch_tpots = [measure(batch)["median_tpot_ms"] for _ in range(PROBE_REPEATS)]
-    factor = statistics.median(batch_tpots) / max(sim(batch, base)["median_tpot_ms"], 1e-9)
+    tpots: dict[int, list[float]] = {}
+    ratios = []
+    for size in batch_sizes:
+        # Warm-up: the server's first steps at each batch shape pay one-time costs (as warm_up here)
+        run_serve_benchmark(batch(size, 8), bench)
+        # NOTE: the median of PROBE_REPEATS batches: a few seconds each, so one burst of a
+        # neighbour's work does not set the factor.
+        tpots[size] = [measure(batch(size))["median_tpot_ms"] for _ in range(PROBE_REPEATS)]
+        ratios.append(statistics.median(tpots[size]) / max(sim(batch(size), base)["median_tpot_ms"], 1e-9))
+    factor = statistics.median(ratios)
     scaled = base.with_server(0.0, factor)
     measured_singles = measure(singles)
     frontend_s = statistics.median(  # ttfts are seconds
@@ -182,5 +197,6 @@ def probe_server(base_url: str, calibration: Calibration, config: EngineConfig, 
     probed = scaled.with_server(max(frontend_s, 0.0), factor)
     description = {**calibration.description, "probe": {
         "base_url": base_url, "single_ttft_ms": 1000 * statistics.median(measured_singles["ttfts"]),
-        "batch_median_tpot_ms": batch_tpots, "num_slots": num_slots}}
+        "batch_median_tpot_ms": {str(size): t for size, t in tpots.items()},
+        "tpot_ratios": dict(zip(map(str, batch_sizes), ratios))}}
     return replace(probed, description=description)

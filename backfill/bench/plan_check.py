@@ -1,7 +1,7 @@
 """`backfill plan check`: the planner's predictions against real measurements, end to end.
 
 1. The calibration (made here when missing, or with --recalibrate): the engine's steps in
-   this process, then a probe of the first server for the front end's terms.
+   this process, then a probe of a server of its own for the front end's terms.
 2. For each --max-num-seqs: a real `backfill serve --max-num-seqs N` on loopback (other flags at
    their defaults); `bench serve` replays the
    workload at each --request-rate (seeded arrivals, as the planner draws them); the planner
@@ -82,7 +82,7 @@ def _serve_rows(requests: list[WorkloadRequest], calibration: Calibration, max_n
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from backfill.bench.calibrate import probe_server, run_calibration
+    from backfill.bench.calibrate import PROBE_BATCH_SIZES, probe_server, run_calibration
     from backfill.bench.serve_client import ServeBenchConfig, run_serve_benchmark
     from backfill.tokenizer import load_tokenizer
 
@@ -95,20 +95,20 @@ def run_check(args: argparse.Namespace) -> int:
     encode = load_tokenizer(None).encode
     rows: list[dict[str, Any]] = []
     measured_runs: dict[str, Any] = {}
+    threads = ["--num-threads", str(args.num_threads)] if args.num_threads is not None else []
+    if fresh:  # the probe's own server: room for its largest batch, its prefix cache apart
+        probe_flags = ["--max-num-seqs", str(max(PROBE_BATCH_SIZES)), *threads]
+        with local_server(probe_flags, Path("bench_results") / "plan_check_server_probe.log", args.port) as url:
+            calibration = probe_server(url, calibration, engine)
+        calibration.save(args.calibration)
+        print(f"wrote {args.calibration}", flush=True)
     for max_num_seqs in args.check_max_num_seqs:
-        flags = ["--max-num-seqs", str(max_num_seqs)]
-        if args.num_threads is not None:
-            flags += ["--num-threads", str(args.num_threads)]
+        flags = ["--max-num-seqs", str(max_num_seqs), *threads]
         for rate in args.request_rates:
             # NOTE: a fresh server for every run: a second replay of the same prompts would find
             # them in the prefix cache, which the simulation (starting empty) does not model.
             log = Path("bench_results") / f"plan_check_server_{max_num_seqs}_{rate:g}.log"
             with local_server(flags, log, args.port) as url:
-                if fresh:  # probe once, with the first server, before its run (the cache stays apart)
-                    calibration = probe_server(url, calibration, engine, min(4, max_num_seqs))
-                    calibration.save(args.calibration)
-                    fresh = False
-                    print(f"wrote {args.calibration}", flush=True)
                 measured = run_serve_benchmark(requests, ServeBenchConfig(base_url=url, request_rate=rate,
                                                                           show_progress=False))
             load = os.getloadavg()[0]

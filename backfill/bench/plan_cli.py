@@ -33,7 +33,9 @@ def add_plan_subparser(subparsers: Any) -> None:
     calibrate.add_argument("--output", "-o", default=str(DEFAULT_CALIBRATION), help="calibration JSON to write")
     calibrate.add_argument("--base-url", default=None,
                            help="also probe this running server for the front end's delay and step slowdown")
-    calibrate.add_argument("--probe-slots", type=int, default=4, help="concurrent requests of the server probe")
+    calibrate.add_argument("--probe-batch-sizes", type=int, nargs="+", default=None,
+                           help="concurrent batches the server probe times (default: 1 4 16; each at most "
+                                "the server's --max-num-seqs)")
     EngineConfig.add_cli_args(calibrate, exclude=("policy", "max_num_seqs", "seed"))
 
     from backfill.bench.plan_check import add_check_arguments
@@ -85,7 +87,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     config = EngineConfig.from_cli_args(args)
     calibration = run_calibration(config, show_progress=True)
     if args.base_url:
-        calibration = probe_server(args.base_url, calibration, config, args.probe_slots)
+        calibration = probe_server(args.base_url, calibration, config, *([args.probe_batch_sizes] if
+                                                                           args.probe_batch_sizes else []))
     calibration.save(args.output)
     print(format_calibration(calibration))
     print(f"wrote {args.output}")
@@ -96,7 +99,9 @@ def format_calibration(c: Calibration) -> str:
     fit = c.description.get("median_relative_fit_error")
     lines = [
         f"step time = {1000 * c.intercept_s:.2f} ms + {1e6 * c.per_token_s:.1f} us/token "
-        f"+ {1e6 * c.per_seq_s:.1f} us/sequence + {1e9 * c.per_kv_token_s:.1f} ns/KV token read",
+        f"+ {1e6 * c.per_seq_s:.1f} us/sequence + {1e9 * c.per_kv_token_s:.1f} ns/KV token read"
+        + "".join(f" {1e6 * change:+.1f} us/token above {knot}" for knot, change in
+                  zip(c.token_knots, c.per_token_above_s)),
         f"fitted on {c.description.get('num_steps', len(c.samples))} steps"
         + (f", median relative error {100 * fit:.1f}%" if fit is not None else ""),
         f"served: front end {1000 * c.frontend_s:.1f} ms per request, steps x{c.served_step_factor:.2f}",

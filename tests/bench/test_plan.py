@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from backfill.bench.cost_model import Calibration, StepShape, calibration_from_steps, fit_step_times, step_shape
+from backfill.bench.cost_model import (CALIBRATION_VERSION, Calibration, StepShape, calibration_from_steps,
+                                       choose_knots, fit_step_times, step_shape)
 from backfill.bench.planner import PlanPoint, cheapest, format_plan, parse_slo, run_point, sim_requests, sweep_points
 from backfill.bench.serve_client import ServeBenchConfig, schedule_arrivals
 from backfill.bench.simulator import SimRequest, simulate
@@ -214,6 +215,38 @@ def test_fit_recovers_exact_coefficients_and_stays_non_negative() -> None:
         fit_step_times(shapes[:3], seconds[:3])
 
 
+def test_fit_recovers_a_piecewise_linear_token_term() -> None:
+    # Decode batches of 1-32 rows and prefills: the kernels' cost per row changes at 8 rows and
+    # falls back after 32 (a made-up machine): the knots' slope changes come back exactly.
+    truth = [0.004, 5e-4, 2e-4, 2e-6, 0.0, 0.0, 8e-4, 0.0, -9e-4, 0.0]  # knots 2, 4, 8, 16, 32, 64
+    shapes = [StepShape(n, n, kv * n + 7) for n in (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 20, 24, 32, 33, 40, 48)
+              for kv in (40, 300)]
+    shapes += [StepShape(t, s, t + 50 * s) for t in (64, 96, 128, 200) for s in (1, 3)]
+    knots = choose_knots(shapes)
+    assert knots == (2, 4, 8, 16, 32, 64)
+    seconds = [sum(c * f for c, f in zip(truth, shape.features(knots))) for shape in shapes]
+    coefficients, error = fit_step_times(shapes, seconds, knots)
+    assert coefficients == pytest.approx(truth, rel=1e-6, abs=1e-12) and error < 1e-9
+    calibration = calibration_from_steps(shapes, seconds)
+    assert {8, 32} <= set(calibration.token_knots)
+    for shape, t in zip(shapes, seconds):
+        assert calibration.step_time(shape, served=False) == pytest.approx(t)
+    # A token term that would fall past a knot is held flat there, never negative.
+    falling = [0.05 + 1e-3 * min(s.num_tokens, 16) - 1e-4 * max(s.num_tokens - 16, 0) for s in shapes]
+    model = calibration_from_steps(shapes, falling)
+    times = [model.step_time(StepShape(n, 1, 0), served=False) for n in range(1, 300)]
+    assert all(b >= a - 1e-12 for a, b in zip(times, times[1:]))
+    with pytest.raises(ValueError, match="must not fall"):
+        Calibration(intercept_s=0.01, per_token_s=1e-4, per_seq_s=0.0, per_kv_token_s=0.0, token_knots=(8,),
+                    per_token_above_s=(-2e-4,))
+
+
+def test_knots_need_measured_steps_on_each_side() -> None:
+    assert choose_knots([StepShape(n, n, 0) for n in (1, 1, 1, 4, 4, 4)]) == (2,)
+    assert choose_knots([StepShape(n, n, 0) for n in (1, 2, 3, 4, 5)]) == ()
+    assert choose_knots([StepShape(n, 1, 0) for n in (1, 2, 3, 300, 400, 500)]) == (4,)
+
+
 def test_calibration_file_round_trips(tmp_path: Path) -> None:
     shapes = [StepShape(n, s, 10 * n) for n, s in [(1, 1), (4, 4), (64, 2), (16, 16), (512, 1)]]
     calibration = calibration_from_steps(shapes, [0.01 + 1e-4 * s.num_tokens + 1e-3 * s.num_seqs for s in shapes],
@@ -225,7 +258,7 @@ def test_calibration_file_round_trips(tmp_path: Path) -> None:
     assert loaded == calibration
     assert loaded.step_time(StepShape(8, 8, 80)) == pytest.approx(0.01 + 8e-4 + 8e-3)
     assert loaded.num_kv_blocks(EngineConfig(max_num_seqs=4, max_model_len=1024)) == 4 * 1024 // 16
-    path.write_text(json.dumps({"version": 1, "intercept_s": -1.0, "per_token_s": 0, "per_seq_s": 0,
+    path.write_text(json.dumps({"version": CALIBRATION_VERSION, "intercept_s": -1.0, "per_token_s": 0, "per_seq_s": 0,
                                 "per_kv_token_s": 0}))
     with pytest.raises(ValueError, match="calib.json.*intercept_s"):
         Calibration.load(path)
