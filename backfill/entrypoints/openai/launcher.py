@@ -30,7 +30,7 @@ from backfill.engine.messages import CoreInfo
 from backfill.entrypoints.openai.api_server import build_app
 from backfill.entrypoints.openai.serving import DEFAULT_MAX_SEQS_PER_REQUEST
 from backfill.entrypoints.ray_serve.options import add_ray_arguments
-from backfill.entrypoints.openai.transport import DEFAULT_READ_TIMEOUT_S, ReadTimeoutH11Protocol, RedactSecretsFilter
+from backfill.entrypoints.openai.transport import DEFAULT_READ_TIMEOUT_S, ReadTimeoutHttpProtocol, RedactSecretsFilter
 
 if TYPE_CHECKING:
     from backfill.tokenizer import Tokenizer
@@ -187,8 +187,8 @@ def app_from_args(args: argparse.Namespace, core: CoreProcess, info: CoreInfo, t
 def serve_app(app: FastAPI, args: argparse.Namespace, drain: Callable[[], Awaitable[None]]) -> tuple[int, bool]:
     """Run uvicorn over `app` until told to stop (a signal drains through `drain`); returns the
     exit status and whether a signal drained the app."""
-    # NOTE: h11 explicitly (not httptools, were it installed): the read timeout hooks into it.
-    http = functools.partial(ReadTimeoutH11Protocol, read_timeout=args.read_timeout)
+    # NOTE: our protocol class, not uvicorn's choice: the read timeout hooks into it.
+    http = functools.partial(ReadTimeoutHttpProtocol, read_timeout=args.read_timeout)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, access_log=args.access_log, http=http,
                                log_level="info", timeout_graceful_shutdown=CLOSE_CONNECTIONS_S, lifespan="on")
     # After uvicorn.Config, which configures its loggers (and would drop a filter added before).
