@@ -8,12 +8,13 @@ and mixed steps (a prompt arriving mid-decode, chunked beside the decodes). Ever
 
 `probe_server` then measures what a server adds: the front end's delay (single requests, their
 TTFT against the simulated one) and the step slowdown when the HTTP process and the client
-share the machine (concurrent batches of a few sizes, their TPOT against the simulated one).
+share the machine (a burst of mixed requests, its duration against the simulated one).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -50,9 +51,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(16, 32, 16), Scenario(24, 24, 12), Scenario(32, 16, 12), Scenario(1, 512, 4), Scenario(4, 384, 4),
     Scenario(4, 768, 6, shared=True), Scenario(16, 512, 6, shared=True), Scenario(32, 256, 6, shared=True),
 )
-PROBE_REPEATS = 3  # batches of each size the server probe times
-PROBE_BATCH_SIZES = (1, 4, 16)  # the server probe's batch sizes (its server's max_num_seqs at least the largest)
-PROBE_TOKENS = 64  # output tokens of each probe request
+PROBE_REPEATS = 3  # bursts the server probe times
+PROBE_REQUESTS_PER_SLOT = 1.5  # a burst's requests per slot of the probed server: queueing, then a tail
+PROBE_SLOTS = 16  # max_num_seqs of the server `plan check` starts for its probe
 
 
 def calibration_engine_config(config: EngineConfig, scenarios: Sequence[Scenario] = SCENARIOS) -> EngineConfig:
@@ -146,28 +147,30 @@ def _run_scenario(engine: LLMEngine, scenario: Scenario, tag: str
 
 
 def probe_server(base_url: str, calibration: Calibration, config: EngineConfig,
-                 batch_sizes: Sequence[int] = PROBE_BATCH_SIZES) -> Calibration:
+                 num_slots: int | None = None, api_key: str | None = None) -> Calibration:
     """Measure a running server's front-end delay and step slowdown against `calibration`;
     returns it with `frontend_s` and `served_step_factor` set. `config`: the server's engine
-    settings (its max_model_len sizes the simulated KV pool); `batch_sizes`: the concurrent
-    batches whose decode steps are timed, each at most the server's max_num_seqs.
+    settings (its max_model_len sizes the simulated KV pool); `num_slots`: its max_num_seqs
+    (default: asked of its /v1/stats).
 
-    The slowdown is the median, over the batch sizes, of measured TPOT / simulated TPOT: the
-    HTTP process and the client take CPU from the engine at every batch size, so one batch
-    size (or one batch, on a shared machine) would set every prediction's speed on its own."""
+    The slowdown is what a served run takes over the simulation of the same run: a burst of
+    mixed requests (PROBE_REQUESTS_PER_SLOT per slot, short and long answers, prompts of
+    varied length), so the probe's steps are the kinds a served workload runs: full batches
+    and the tail's smaller ones, prompts prefilled beside decodes, contexts growing. The HTTP
+    process and the client take CPU from the engine all along (on 2 cores, ~10-30% of its
+    step time, measured): the factor charges that to every step. The median of PROBE_REPEATS
+    bursts, each of new prompts (a replay would hit the prefix cache)."""
     from backfill.bench.serve_client import ServeBenchConfig, run_serve_benchmark
     from backfill.bench.simulator import SimRequest, simulate
     from backfill.bench.workloads import WorkloadRequest
 
-    bench = ServeBenchConfig(base_url=base_url, show_progress=False)
+    bench = ServeBenchConfig(base_url=base_url, show_progress=False, api_key=api_key)
+    if num_slots is None:
+        num_slots = _server_slots(base_url, api_key)
+    served_config = replace(config, max_num_seqs=num_slots)
     # 1. Single requests, one at a time: TTFT = front end + one prefill step.
     singles = [WorkloadRequest(max_tokens=1, prompt_token_ids=_prompt(500 + i, 32), arrival_time=0.6 * i)
                for i in range(6)]
-
-    def batch(size: int, max_tokens: int = PROBE_TOKENS) -> list[WorkloadRequest]:
-        """`size` requests at once (their prompts new to the server's prefix cache)."""
-        return [WorkloadRequest(max_tokens=max_tokens, prompt_token_ids=_prompt(600 + 37 * size + i, 32),
-                                arrival_time=0.0) for i in range(size)]
 
     def measure(requests: list[WorkloadRequest]) -> dict[str, Any]:
         measured = run_serve_benchmark(requests, bench)
@@ -177,18 +180,17 @@ def probe_server(base_url: str, calibration: Calibration, config: EngineConfig,
 
     def sim(requests: list[WorkloadRequest], model: Calibration) -> dict[str, Any]:
         sim_requests = [SimRequest(list(r.prompt_token_ids or []), r.max_tokens, r.arrival_s) for r in requests]
-        return simulate(sim_requests, config, model).summary()
+        return simulate(sim_requests, served_config, model).summary()
 
     base = calibration.with_server(frontend_s=0.0, served_step_factor=1.0)
-    tpots: dict[int, list[float]] = {}
-    ratios = []
-    for size in batch_sizes:
-        # Warm-up: the server's first steps at each batch shape pay one-time costs (as warm_up here)
-        run_serve_benchmark(batch(size, 8), bench)
-        # NOTE: the median of PROBE_REPEATS batches: a few seconds each, so one burst of a
-        # neighbour's work does not set the factor.
-        tpots[size] = [measure(batch(size))["median_tpot_ms"] for _ in range(PROBE_REPEATS)]
-        ratios.append(statistics.median(tpots[size]) / max(sim(batch(size), base)["median_tpot_ms"], 1e-9))
+    # Warm-up: the server's first steps at each batch shape pay one-time costs (as warm_up here)
+    run_serve_benchmark(_burst(num_slots, 0, max_tokens=8), bench)
+    ratios, durations = [], []
+    for repeat in range(PROBE_REPEATS):
+        burst = _burst(num_slots, repeat + 1)
+        measured = measure(burst)
+        durations.append(measured["duration"])
+        ratios.append(measured["duration"] / max(sim(burst, base)["duration"], 1e-9))
     factor = statistics.median(ratios)
     scaled = base.with_server(0.0, factor)
     measured_singles = measure(singles)
@@ -196,7 +198,34 @@ def probe_server(base_url: str, calibration: Calibration, config: EngineConfig,
         m - s for m, s in zip(measured_singles["ttfts"], sim(singles, scaled)["ttfts"]))
     probed = scaled.with_server(max(frontend_s, 0.0), factor)
     description = {**calibration.description, "probe": {
-        "base_url": base_url, "single_ttft_ms": 1000 * statistics.median(measured_singles["ttfts"]),
-        "batch_median_tpot_ms": {str(size): t for size, t in tpots.items()},
-        "tpot_ratios": dict(zip(map(str, batch_sizes), ratios))}}
+        "base_url": base_url, "num_slots": num_slots, "single_ttft_ms": 1000 * statistics.median(measured_singles["ttfts"]),
+        "burst_durations_s": durations, "burst_ratios": ratios}}
     return replace(probed, description=description)
+
+
+def _burst(num_slots: int, seed: int, max_tokens: int | None = None) -> list[WorkloadRequest]:
+    """PROBE_REQUESTS_PER_SLOT x `num_slots` requests at once: prompts of 16-192 tokens, half of
+    them answered in 2-8 tokens and half in 32-160 (or all in `max_tokens`); new prompts per seed."""
+    from backfill.bench.workloads import WorkloadRequest
+
+    rng = random.Random(seed)
+    requests = []
+    for i in range(int(PROBE_REQUESTS_PER_SLOT * num_slots)):
+        tokens = max_tokens or (rng.randint(2, 8) if i % 2 else rng.randint(32, 160))
+        prompt = _prompt(1000 * seed + 7 * i + 3, rng.randint(16, 192))
+        requests.append(WorkloadRequest(max_tokens=tokens, prompt_token_ids=prompt, arrival_time=0.0))
+    return requests
+
+
+def _server_slots(base_url: str, api_key: str | None) -> int:
+    """The server's max_num_seqs, from its /v1/stats."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(base_url.rstrip("/") + "/v1/stats", headers=headers, timeout=10)
+        response.raise_for_status()
+        return int(response.json()["num_slots"])
+    except (httpx.HTTPError, KeyError, TypeError, ValueError) as error:
+        raise RuntimeError(f"could not read the server's number of slots from {base_url}/v1/stats ({error}); "
+                           "give it (--probe-num-slots)") from error

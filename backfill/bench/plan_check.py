@@ -1,7 +1,8 @@
 """`backfill plan check`: the planner's predictions against real measurements, end to end.
 
 1. The calibration (made here when missing, or with --recalibrate): the engine's steps in
-   this process, then a probe of a server of its own for the front end's terms.
+   this process, then a probe of a server of its own (max_num_seqs PROBE_SLOTS) for the
+   front end's terms.
 2. For each --max-num-seqs: a real `backfill serve --max-num-seqs N` on loopback (other flags at
    their defaults); `bench serve` replays the
    workload at each --request-rate (seeded arrivals, as the planner draws them); the planner
@@ -82,7 +83,7 @@ def _serve_rows(requests: list[WorkloadRequest], calibration: Calibration, max_n
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from backfill.bench.calibrate import PROBE_BATCH_SIZES, probe_server, run_calibration
+    from backfill.bench.calibrate import PROBE_SLOTS, probe_server, run_calibration
     from backfill.bench.serve_client import ServeBenchConfig, run_serve_benchmark
     from backfill.tokenizer import load_tokenizer
 
@@ -97,9 +98,9 @@ def run_check(args: argparse.Namespace) -> int:
     measured_runs: dict[str, Any] = {}
     threads = ["--num-threads", str(args.num_threads)] if args.num_threads is not None else []
     if fresh:  # the probe's own server: room for its largest batch, its prefix cache apart
-        probe_flags = ["--max-num-seqs", str(max(PROBE_BATCH_SIZES)), *threads]
+        probe_flags = ["--max-num-seqs", str(PROBE_SLOTS), *threads]
         with local_server(probe_flags, Path("bench_results") / "plan_check_server_probe.log", args.port) as url:
-            calibration = probe_server(url, calibration, engine)
+            calibration = probe_server(url, calibration, engine, PROBE_SLOTS)
         calibration.save(args.calibration)
         print(f"wrote {args.calibration}", flush=True)
     for max_num_seqs in args.check_max_num_seqs:

@@ -33,9 +33,9 @@ def add_plan_subparser(subparsers: Any) -> None:
     calibrate.add_argument("--output", "-o", default=str(DEFAULT_CALIBRATION), help="calibration JSON to write")
     calibrate.add_argument("--base-url", default=None,
                            help="also probe this running server for the front end's delay and step slowdown")
-    calibrate.add_argument("--probe-batch-sizes", type=int, nargs="+", default=None,
-                           help="concurrent batches the server probe times (default: 1 4 16; each at most "
-                                "the server's --max-num-seqs)")
+    calibrate.add_argument("--probe-num-slots", type=int, default=None,
+                           help="the probed server's --max-num-seqs (default: read from its /v1/stats)")
+    calibrate.add_argument("--probe-api-key", default=None, help="the probed server's API key, if it has one")
     EngineConfig.add_cli_args(calibrate, exclude=("policy", "max_num_seqs", "seed"))
 
     from backfill.bench.plan_check import add_check_arguments
@@ -87,8 +87,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     config = EngineConfig.from_cli_args(args)
     calibration = run_calibration(config, show_progress=True)
     if args.base_url:
-        calibration = probe_server(args.base_url, calibration, config, *([args.probe_batch_sizes] if
-                                                                           args.probe_batch_sizes else []))
+        calibration = probe_server(args.base_url, calibration, config, args.probe_num_slots, args.probe_api_key)
     calibration.save(args.output)
     print(format_calibration(calibration))
     print(f"wrote {args.output}")
