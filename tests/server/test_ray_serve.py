@@ -162,6 +162,33 @@ def test_a_saturated_replica_is_passed_over(server: ServerProcess) -> None:
     assert len(first) == 1 and passed_over and first[0] not in passed_over, changed
 
 
+def stream_items(server: ServerProcess) -> dict[str, float]:
+    """backfill:ray_stream_items_total as kind -> count."""
+    metrics = server.metrics()
+    return {kind: metrics[f'backfill:ray_stream_items_total{{kind="{kind}"}}'] for kind in ("mux", "inline")}
+
+
+def test_streamed_tokens_come_through_the_replicas_mux(server: ServerProcess) -> None:
+    """A streamed completion's 64 tokens come in the replica's mux, its own stream carrying just
+    Accepted, ResponseStart and End; the text is the non-streamed one's."""
+    client = openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+    prompt = "Mux test: " + "a story about a lighthouse keeper and the sea, " * 3  # prefix-routed: one replica
+    request = {"model": MODEL, "prompt": prompt, "max_tokens": 64, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    expected = client.completions.create(**request).choices[0].text
+    # NOTE: the ingress opens a replica's mux when the replica accepts a request of its: the
+    # request that opened it came inline (here the one above, if no earlier test's went there),
+    # and so may one that overtakes the opening. Later ones come muxed.
+    for _ in range(5):
+        before = stream_items(server)
+        chunks = list(client.completions.create(**request, stream=True))
+        items = {kind: count - before[kind] for kind, count in stream_items(server).items()}
+        if items["inline"] == 3:
+            break
+    assert items["inline"] == 3 and items["mux"] >= 1, items
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def _stream(base_url: str, prompt: str, max_tokens: int, events: list[dict[str, object]],
             started: threading.Event) -> None:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
