@@ -22,6 +22,8 @@ from backfill.entrypoints.ray_serve.mux import Demux, Inbox, MuxClosed
 
 logger = logging.getLogger(__name__)
 
+CLOSE_TIMEOUT_S = 1.0  # for the muxes to end once cancelled (the drain)
+
 
 @dataclass
 class _Mux:
@@ -88,5 +90,9 @@ class Muxes:
         self._closing = True
         for mux in self._open.values():
             mux.responses.cancel()
-        await asyncio.gather(*(mux.task for mux in self._open.values()), return_exceptions=True)
+        tasks = [mux.task for mux in self._open.values()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
+        for task in tasks:  # NOTE: a mux Ray did not end in time is left to Ray's shutdown
+            task.cancel()
         self._open.clear()
