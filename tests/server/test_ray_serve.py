@@ -176,8 +176,8 @@ def stream_muxed(client: openai.OpenAI, server: ServerProcess, request: dict[str
     """`request` streamed until it comes through its replica's mux (its own stream carrying just
     Accepted, ResponseStart and End): its chunks and the Ray items the ingress received for it.
 
-    NOTE: the ingress opens a replica's mux when the replica accepts a request of its: the request
-    that opened it came inline, and so may one that overtakes the opening. Later ones come muxed.
+    NOTE: the ingress opens its muxes as it starts, or when a replica with none accepts a request
+    (which then comes inline); a request may overtake the opening. Later ones come muxed.
     """
     for _ in range(5):
         before = stream_items(server)

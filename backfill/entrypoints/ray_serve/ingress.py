@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
@@ -177,11 +178,26 @@ class Forwarder:
         """After the drain: the muxes go too, so that the replicas have nothing in flight."""
         await self.muxes.close()
 
+    async def _replica_labels(self) -> list[str]:
+        """The live replicas' labels, as Ray's named actors (the router may not know them all yet)."""
+        actors = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
+        return sorted(a["name"][len(self._replica_name_prefix):] for a in actors
+                      if a.get("namespace") == "serve" and a["name"].startswith(self._replica_name_prefix))
+
+    async def open_muxes(self) -> None:
+        """At start: a mux to every replica, so that even the first requests' events come muxed
+        (a replica missed here gets one when it accepts a request)."""
+        try:
+            labels = await self._replica_labels()
+        except Exception as error:  # Ray's GCS did not answer: the requests will open them
+            logger.warning("could not list the replicas: %s", error)
+            return
+        for label in labels:
+            self.muxes.open(label)
+
     async def replica_metrics(self) -> dict[str, str]:
         """Each live replica's metrics text, asked now (a call pinned to it), by replica label."""
-        actors = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
-        labels = sorted(a["name"][len(self._replica_name_prefix):] for a in actors
-                        if a.get("namespace") == "serve" and a["name"].startswith(self._replica_name_prefix))
+        labels = await self._replica_labels()
 
         async def one(label: str) -> str | None:
             try:
@@ -212,7 +228,13 @@ def build_ingress(handle: DeploymentHandle, replica_name_prefix: str, *, api_key
     """The ingress app; `app.state.drain()` as build_app's (the replicas' requests are what drains)."""
     state = ServerState()
     forwarder = Forwarder(handle, replica_name_prefix)
-    app = FastAPI(title="backfill", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await forwarder.open_muxes()
+        yield
+
+    app = FastAPI(title="backfill", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.exit = lambda status: None
     app.state.forwarder = forwarder
 

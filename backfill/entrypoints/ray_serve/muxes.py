@@ -1,8 +1,9 @@
 """Muxes: the ingress's side of the per-replica muxes (mux.py), over Ray Serve.
 
-One mux id per ingress (`mux_id`, sent with every request). The first time a request is accepted
-by a replica with no open mux from here, a mux to it is opened (EngineReplica.open_mux, pinned to
-it through the same handle and router) and read by a task of its own, which dispatches each
+One mux id per ingress (`mux_id`, sent with every request). A mux to each replica is opened when
+the ingress starts, and whenever a request is accepted by a replica with no open mux from here
+(EngineReplica.open_mux, pinned to it through the same handle and router); each is read by a task
+of its own, which dispatches each
 batch to the requests' inboxes. A mux that ends or breaks (its replica died, or restarted) fails
 the requests bound to it; the next request that replica accepts opens a new one.
 """
@@ -54,11 +55,18 @@ class Muxes:
             inbox.mux = accepted.mux
             if not is_open or current.mux != accepted.mux:  # type: ignore[union-attr]
                 inbox.fail(MuxClosed(f"mux {accepted.mux} to replica {accepted.replica} is closed"))
-        if not is_open and not self._closing and accepted.replica:
-            self._num_opened += 1
-            mux = self._num_opened
-            responses = self._handle.remote(Pinned(accepted.replica), self.mux_id, mux)
-            self._open[accepted.replica] = _Mux(mux, responses, asyncio.ensure_future(self._read(mux, responses)))
+        if not is_open and accepted.replica:
+            self.open(accepted.replica)
+
+    def open(self, replica: str) -> None:
+        """Open a mux to `replica` unless one is open (or the muxes are closing)."""
+        current = self._open.get(replica)
+        if self._closing or (current is not None and not current.task.done()):
+            return
+        self._num_opened += 1
+        mux = self._num_opened
+        responses = self._handle.remote(Pinned(replica), self.mux_id, mux)
+        self._open[replica] = _Mux(mux, responses, asyncio.ensure_future(self._read(mux, responses)))
 
     async def _read(self, mux: int, responses: DeploymentResponseGenerator) -> None:
         failure = MuxClosed(f"mux {mux} ended")
