@@ -1,5 +1,5 @@
 """The Ray Serve pieces that need no Ray: the routing policy, the prefix index, the merged /metrics
-text, and running a forwarded request through an ASGI app (asgi_call)."""
+text, running a forwarded request through an ASGI app (asgi_call), and the muxes' two ends (mux)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from backfill.entrypoints.ray_serve.asgi_call import ForwardedRequest, ResponseStart, call_app
 from backfill.entrypoints.ray_serve.metrics_merge import merge_metrics, router_metrics
+from backfill.entrypoints.ray_serve.mux import Demux, MuxClosed, Outbox
 from backfill.entrypoints.ray_serve.options import RouterConfig
 from backfill.entrypoints.ray_serve.policy import RoutingPolicy
 from backfill.entrypoints.ray_serve.prefix_index import BLOCK_CHARS, PrefixIndex, block_hashes, routing_text
@@ -159,3 +160,61 @@ def test_call_app_streams_the_response_and_reports_a_disconnect() -> None:
     assert isinstance(start, ResponseStart) and start.status == 200 and (b"x-a", b"1") in start.headers
     assert b"".join(received[1:]).startswith(b"hi0hi1hi2")  # type: ignore[arg-type]
     assert seen == ["closed"]  # the app saw the disconnect and stopped
+
+
+async def _take(bodies: AsyncIterator[bytes]) -> list[bytes]:
+    return [body async for body in bodies]
+
+
+def test_an_inbox_takes_its_chunks_before_and_after_its_end() -> None:
+    async def main() -> None:
+        demux = Demux()
+        (key_a, a), (key_b, b) = demux.add(), demux.add()
+        demux.dispatch([(key_a, b"a0"), (key_b, b"b0"), (key_a, b"a1")])  # before either End
+        a.end(3)
+        b.end(1)
+        assert await _take(b.bodies()) == [b"b0"]  # complete: End's count reached
+        taking = asyncio.ensure_future(_take(a.bodies()))
+        await asyncio.sleep(0.01)
+        assert not taking.done()  # End said 3: one is still to come
+        demux.dispatch([(key_a, b"a2"), (999, b"nobody's")])
+        assert b"".join(await asyncio.wait_for(taking, 5)) == b"a0a1a2"
+        demux.remove(key_a)
+        demux.remove(key_b)
+        demux.dispatch([(key_a, b"late")])  # dropped
+        assert len(demux) == 0
+
+    asyncio.run(main())
+
+
+def test_a_broken_mux_fails_the_requests_bound_to_it_only() -> None:
+    async def main() -> None:
+        demux = Demux()
+        (key_a, a), (key_b, b), (key_c, c) = demux.add(), demux.add(), demux.add()
+        a.mux, b.mux, c.mux = 1, 1, 2
+        b.end(1)
+        demux.dispatch([(key_a, b"a0"), (key_b, b"b0"), (key_c, b"c0")])
+        waiting = asyncio.ensure_future(_take(a.bodies()))
+        await asyncio.sleep(0.01)
+        demux.fail_mux(1, MuxClosed("mux 1 broke"))
+        with pytest.raises(MuxClosed):  # woken: the chunks it had, then the failure
+            await asyncio.wait_for(waiting, 5)
+        assert await _take(b.bodies()) == [b"b0"]  # complete before the mux broke: not failed
+        c.end(1)
+        assert await _take(c.bodies()) == [b"c0"]  # another mux's request
+
+    asyncio.run(main())
+
+
+def test_an_outbox_sends_what_is_ready_as_one_batch() -> None:
+    async def main() -> list[list[tuple[int, bytes]]]:
+        outbox = Outbox(mux=7)
+        batches = outbox.batches()
+        for key in (1, 2, 3):  # one engine step: three requests' tokens
+            outbox.put(key, b"t%d" % key)
+        first = await batches.__anext__()
+        outbox.put(1, b"u1")
+        outbox.close()
+        return [first] + [batch async for batch in batches]
+
+    assert asyncio.run(main()) == [[(1, b"t1"), (2, b"t2"), (3, b"t3")], [(1, b"u1")]]

@@ -162,6 +162,67 @@ def test_a_saturated_replica_is_passed_over(server: ServerProcess) -> None:
     assert len(first) == 1 and passed_over and first[0] not in passed_over, changed
 
 
+def stream_items(server: ServerProcess) -> dict[str, float]:
+    """backfill:ray_stream_items_total as kind -> count."""
+    metrics = server.metrics()
+    return {kind: metrics[f'backfill:ray_stream_items_total{{kind="{kind}"}}'] for kind in ("mux", "inline")}
+
+
+MUX_PROMPT = "Mux test: " + "a story about a lighthouse keeper and the sea, " * 3  # prefix-routed: one replica
+
+
+def stream_muxed(client: openai.OpenAI, server: ServerProcess, request: dict[str, object]) -> tuple[
+        list[openai.types.Completion], dict[str, float]]:
+    """`request` streamed until it comes through its replica's mux (its own stream carrying just
+    Accepted, ResponseStart and End): its chunks and the Ray items the ingress received for it.
+
+    NOTE: the ingress opens its muxes as it starts, or when a replica with none accepts a request
+    (which then comes inline); a request may overtake the opening. Later ones come muxed.
+    """
+    for _ in range(5):
+        before = stream_items(server)
+        chunks = list(client.completions.create(**request, stream=True))  # type: ignore[call-overload]
+        items = {kind: count - before[kind] for kind, count in stream_items(server).items()}
+        if items["inline"] == 3:
+            break
+    return chunks, items
+
+
+def test_streamed_tokens_come_through_the_replicas_mux(server: ServerProcess) -> None:
+    """A streamed completion's 64 tokens come in its replica's mux; the text is the non-streamed one's."""
+    client = openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+    request = {"model": MODEL, "prompt": MUX_PROMPT, "max_tokens": 64, "temperature": 0,
+               "extra_body": {"ignore_eos": True}}
+    expected = client.completions.create(**request).choices[0].text  # type: ignore[call-overload]
+    chunks, items = stream_muxed(client, server, request)
+    assert items["inline"] == 3 and items["mux"] >= 1, items
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_muxed_stream_whose_client_goes_away_is_aborted(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+    stream_muxed(client, server, {"model": MODEL, "prompt": MUX_PROMPT, "max_tokens": 2})
+    before, max_tokens = stream_items(server), 1000
+    generated = sum_of(server.metrics(), "backfill:generation_tokens_total{")
+    body = {"model": MODEL, "prompt": MUX_PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.v1 + "/completions", json=body, headers=HEADERS, timeout=120) as response:
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 5:
+                break  # and the connection closes
+    assert wait_until(lambda: not sum_of(server.metrics(), "backfill:num_requests_running{"), timeout=300)
+    metrics = server.metrics()
+    assert sum_of(metrics, "backfill:generation_tokens_total{") - generated < max_tokens  # aborted
+    items = {kind: count - before[kind] for kind, count in stream_items(server).items()}
+    assert items["inline"] == 2 and items["mux"] >= 1, items  # it came muxed (and ended with no End)
+
+
+def sum_of(metrics: dict[str, float], prefix: str) -> float:
+    return sum(value for key, value in metrics.items() if key.startswith(prefix))
+
+
 def _stream(base_url: str, prompt: str, max_tokens: int, events: list[dict[str, object]],
             started: threading.Event) -> None:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}

@@ -29,18 +29,44 @@ class ForwardedRequest:
     body: bytes
     client: tuple[str, int] | None = None
     routing_text: str = ""
+    mux_id: str = ""  # the ingress's: where the replica may send the streamed body (mux.py)
+    stream_key: int = 0  # this request's chunks in that mux
 
 
 @dataclass(frozen=True)
 class Accepted:
     """What a replica sends first: from here on the request is its own (a failure is the
-    client's error, not a reason to try another replica)."""
+    client's error, not a reason to try another replica). `mux`: the id of the ingress's mux
+    to this replica that will carry the request's event-stream body (0: it comes inline)."""
+
+    replica: str = ""
+    mux: int = 0
+
+
+@dataclass(frozen=True)
+class End:
+    """A muxed request's last item: how many body chunks it sent through the mux."""
+
+    num_chunks: int
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """A call's first argument naming the replica it must go to (router.BackfillRouter): the
+    replica's other methods than __call__ (its mux, its metrics)."""
+
+    replica: str
 
 
 @dataclass(frozen=True)
 class ResponseStart:
     status: int
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+def is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a response's body is server-sent events (passed on as it comes, and muxed)."""
+    return dict(headers).get(b"content-type", b"").startswith(b"text/event-stream")
 
 
 async def call_app(app: ASGIApp, request: ForwardedRequest) -> AsyncGenerator[ResponseStart | bytes, None]:

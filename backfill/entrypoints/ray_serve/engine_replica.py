@@ -3,8 +3,9 @@
 Each replica is the `backfill serve` process minus uvicorn: launcher.start_engine starts its engine
 core process, launcher.app_from_args builds api_server.build_app over it, and every forwarded
 request runs through that app (asgi_call.call_app), so a replica answers exactly as the single
-server does. The ingress handles the drain; a dead engine fails the health check and Ray Serve
-replaces the replica.
+server does. The event-stream bodies of an ingress's requests go through that ingress's mux
+(open_mux; mux.py) when it has one open here, in batches. The ingress handles the drain; a dead
+engine fails the health check and Ray Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -16,8 +17,14 @@ import os
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from ray import serve
+
 from backfill.entrypoints.openai.launcher import app_from_args, check_server_args, start_engine
-from backfill.entrypoints.ray_serve.asgi_call import Accepted, ForwardedRequest, ResponseStart, call_app
+
+from backfill.entrypoints.ray_serve.asgi_call import (Accepted, End, ForwardedRequest, Pinned, ResponseStart,
+                                                      call_app, is_event_stream)
+from backfill.entrypoints.ray_serve.mux import Batch, Outbox
+from backfill.entrypoints.ray_serve.router import replica_label
 
 logger = logging.getLogger(__name__)
 
@@ -36,19 +43,50 @@ class EngineReplica:
         self._app = app_from_args(args, self._core, info, tokenizer)
         self._lifespan = contextlib.AsyncExitStack()
         await self._lifespan.enter_async_context(self._app.router.lifespan_context(self._app))
+        self._label = replica_label(serve.get_replica_context().replica_id)
+        self._outboxes: dict[str, Outbox] = {}  # by the ingress's mux_id
 
-    async def __call__(self, request: ForwardedRequest) -> AsyncGenerator[Accepted | ResponseStart | bytes, None]:
-        yield Accepted()
+    async def __call__(self, request: ForwardedRequest) -> AsyncGenerator[Accepted | ResponseStart | End | bytes, None]:
+        outbox = self._outboxes.get(request.mux_id) if request.mux_id else None
+        yield Accepted(self._label, outbox.mux if outbox is not None else 0)
+        muxed, num_chunks = False, 0
         async for part in call_app(self._app, request):
-            yield part
+            if isinstance(part, ResponseStart):
+                muxed = outbox is not None and is_event_stream(part.headers)
+                yield part
+            elif muxed:
+                outbox.put(request.stream_key, part)  # type: ignore[union-attr]
+                num_chunks += 1
+            else:
+                yield part
+        if muxed:
+            yield End(num_chunks)
+
+    async def open_mux(self, pinned: Pinned, mux_id: str, mux: int) -> AsyncGenerator[Batch, None]:
+        """The ingress `mux_id`'s mux here (its id there: `mux`), as long as the ingress reads it:
+        the event-stream chunks of its requests, in batches. A newer one replaces it."""
+        assert pinned.replica == self._label, (pinned, self._label)
+        if (previous := self._outboxes.get(mux_id)) is not None:
+            previous.close()
+        self._outboxes[mux_id] = outbox = Outbox(mux)
+        try:
+            async for batch in outbox.batches():
+                yield batch
+        finally:
+            if self._outboxes.get(mux_id) is outbox:
+                del self._outboxes[mux_id]
+
+    async def metrics_text(self, pinned: Pinned) -> str:
+        """For the ingress's /metrics: this replica's metrics text."""
+        assert pinned.replica == self._label, (pinned, self._label)
+        engine = self._app.state.engine
+        return self._app.state.metrics.render(engine.stats, engine.num_pending_seqs()).decode()
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """For the router: the engine's load (running + waiting sequences); for the ingress's
-        /metrics: this replica's metrics text and process id."""
+        """For the router: the engine's load (running + waiting sequences), and the process id.
+        NOTE: asked several times a second: only what is cheap (the metrics text is not)."""
         engine = self._app.state.engine
-        load = engine.stats.num_running + engine.num_pending_seqs()
-        text = self._app.state.metrics.render(engine.stats, engine.num_pending_seqs()).decode()
-        return {"load": load, "metrics": text, "pid": os.getpid()}
+        return {"load": engine.stats.num_running + engine.num_pending_seqs(), "pid": os.getpid()}
 
     def check_health(self) -> None:
         if self._app.state.engine.is_dead:

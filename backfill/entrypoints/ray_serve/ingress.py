@@ -5,14 +5,16 @@ does) and stays light: the same gate as the single server (API key, 503 while dr
 every request is forwarded whole (method, path, headers, body) through the deployment handle to
 a replica chosen by BackfillRouter, which runs the single server's app on it and streams the
 response back. Server-sent events are passed on as they come; other responses are sent once
-complete, so a replica that dies first still gets the client a proper error.
+complete, so a replica that dies first still gets the client a proper error. The events come
+through the replica's mux (muxes.py): one Ray item per batch of all the ingress's streams there.
 
 - a replica dying mid-request      -> 503 `replica_failed` (or, mid-stream, an error event and [DONE]);
                                       one dying before it accepted the request: another replica
 - draining after SIGTERM           -> 503 for new requests; in-flight ones get --shutdown-timeout,
                                       then are cancelled (their replicas abort them)
 - /metrics                         -> every replica's series with a `replica` label, and
-                                      backfill:router_requests_total{reason,replica}
+                                      backfill:router_requests_total{reason,replica},
+                                      backfill:ray_stream_items_total{kind="mux"|"inline"}
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
@@ -38,15 +41,17 @@ from backfill.entrypoints.openai.http_extras import RequestIdMiddleware
 from backfill.entrypoints.openai.metrics import CONTENT_TYPE
 from backfill.entrypoints.openai.serving import RETRY_AFTER_S, SSE_DONE, sse
 from backfill.entrypoints.openai.wire import APIError
-from backfill.entrypoints.ray_serve.asgi_call import Accepted, ForwardedRequest, ResponseStart
-from backfill.entrypoints.ray_serve.metrics_merge import merge_metrics, router_metrics
+from backfill.entrypoints.ray_serve.asgi_call import Accepted, ForwardedRequest, Pinned, ResponseStart, is_event_stream
+from backfill.entrypoints.ray_serve.metrics_merge import merge_metrics, router_metrics, stream_item_metrics
+from backfill.entrypoints.ray_serve.mux import Inbox
+from backfill.entrypoints.ray_serve.muxes import Muxes
 from backfill.entrypoints.ray_serve.prefix_index import routing_text
 from backfill.entrypoints.ray_serve.policy import all_decisions
 
 logger = logging.getLogger(__name__)
 
-METRICS_TIMEOUT_S = 10.0
-MAX_ATTEMPTS = 3  # replicas a request is sent to when they fail before answering  # a replica that does not answer in time is left out of /metrics
+METRICS_TIMEOUT_S = 10.0  # a replica that does not answer in time is left out of /metrics
+MAX_ATTEMPTS = 3  # replicas a request is sent to when they fail before answering
 
 
 def replica_failed() -> APIError:
@@ -64,8 +69,10 @@ class Forwarder:
 
     def __init__(self, handle: DeploymentHandle, replica_name_prefix: str) -> None:
         self._handle = handle.options(stream=True)
+        self._metrics_handle = handle.options(method_name="metrics_text", stream=False)
         self._replica_name_prefix = replica_name_prefix
         self._in_flight: set[DeploymentResponseGenerator] = set()
+        self.muxes = Muxes(handle)
         self.aborting = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -81,15 +88,18 @@ class Forwarder:
         with contextlib.suppress(ValueError, AttributeError):
             parsed = json.loads(body) if body else {}
             text = routing_text(scope["path"], parsed) if isinstance(parsed, dict) else ""
-        forwarded = ForwardedRequest(scope["method"], scope["path"], scope.get("query_string", b""),
-                                     list(scope.get("headers") or []), body, scope.get("client"), text)
         # A replica that fails before accepting the request (it died, or Ray had not yet noticed
-        # it dead) never ran it: the request goes to another, up to MAX_ATTEMPTS times.
+        # it dead) never ran it: the request goes to another, up to MAX_ATTEMPTS times (each with
+        # a stream key of its own: nothing a failed attempt sent can reach the next one's inbox).
         for attempt in range(1, MAX_ATTEMPTS + 1):
+            key, inbox = self.muxes.demux.add()
+            forwarded = ForwardedRequest(scope["method"], scope["path"], scope.get("query_string", b""),
+                                         list(scope.get("headers") or []), body, scope.get("client"), text,
+                                         mux_id=self.muxes.mux_id, stream_key=key)
             responses = self._handle.remote(forwarded)
             self._in_flight.add(responses)
             watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
-            relay = asyncio.ensure_future(self._relay(responses, send, last_attempt=attempt == MAX_ATTEMPTS))
+            relay = asyncio.ensure_future(self._relay(responses, inbox, send, last_attempt=attempt == MAX_ATTEMPTS))
             try:
                 await asyncio.wait({relay, watcher}, return_when=asyncio.FIRST_COMPLETED)
                 if not relay.done():  # the client went away: the replica aborts the request
@@ -103,29 +113,44 @@ class Forwarder:
             finally:
                 watcher.cancel()
                 self._in_flight.discard(responses)
+                self.muxes.demux.remove(key)
 
-    async def _relay(self, responses: DeploymentResponseGenerator, send: Send, last_attempt: bool) -> bool:
+    async def _relay(self, responses: DeploymentResponseGenerator, inbox: Inbox, send: Send,
+                     last_attempt: bool) -> bool:
         """Pass the response on; False (nothing sent) when the replica failed before accepting
-        the request and another may be tried."""
-        accepted = False
+        the request and another may be tried. A muxed event stream's body comes from `inbox`."""
+        accepted, mux = False, 0
         start: ResponseStart | None = None
         streaming = False
         chunks: list[bytes] = []
         try:
             async for part in responses:
+                self.muxes.num_items["inline"] += 1
                 if isinstance(part, Accepted):
-                    accepted = True
+                    accepted, mux = True, part.mux
+                    self.muxes.bind(inbox, part)
                 elif isinstance(part, ResponseStart):
                     start = part
-                    streaming = dict(part.headers).get(b"content-type", b"").startswith(b"text/event-stream")
+                    streaming = is_event_stream(part.headers)
                     if streaming:
                         await send({"type": "http.response.start", "status": part.status, "headers": part.headers})
+                        if mux:
+                            break
                 elif streaming:
                     await send({"type": "http.response.body", "body": part, "more_body": True})
                 else:
                     chunks.append(part)
+            if streaming and mux:
+                follower = asyncio.ensure_future(self.muxes.follow(responses, inbox))
+                try:
+                    async for body in inbox.bodies():
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                finally:
+                    follower.cancel()
         except Exception as failure:  # the replica died, or the drain cancelled the request
             logger.warning("request to a replica failed: %s", type(failure).__name__)
+            if mux:  # its mux broke: the replica may still be running it
+                responses.cancel()
             if not accepted and not last_attempt and not self.aborting:
                 return False
             error = shut_down() if self.aborting else replica_failed()
@@ -149,21 +174,39 @@ class Forwarder:
         for responses in list(self._in_flight):
             responses.cancel()
 
-    async def replica_stats(self) -> dict[str, dict[str, Any]]:
-        """Each live replica's `record_routing_stats`, asked now, by replica label."""
-        actors = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
-        names = sorted(a["name"] for a in actors
-                       if a.get("namespace") == "serve" and a["name"].startswith(self._replica_name_prefix))
+    async def close(self) -> None:
+        """After the drain: the muxes go too, so that the replicas have nothing in flight."""
+        await self.muxes.close()
 
-        async def one(name: str) -> dict[str, Any] | None:
+    async def _replica_labels(self) -> list[str]:
+        """The live replicas' labels, as Ray's named actors (the router may not know them all yet)."""
+        actors = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
+        return sorted(a["name"][len(self._replica_name_prefix):] for a in actors
+                      if a.get("namespace") == "serve" and a["name"].startswith(self._replica_name_prefix))
+
+    async def open_muxes(self) -> None:
+        """At start: a mux to every replica, so that even the first requests' events come muxed
+        (a replica missed here gets one when it accepts a request)."""
+        try:
+            labels = await self._replica_labels()
+        except Exception as error:  # Ray's GCS did not answer: the requests will open them
+            logger.warning("could not list the replicas: %s", error)
+            return
+        for label in labels:
+            self.muxes.open(label)
+
+    async def replica_metrics(self) -> dict[str, str]:
+        """Each live replica's metrics text, asked now (a call pinned to it), by replica label."""
+        labels = await self._replica_labels()
+
+        async def one(label: str) -> str | None:
             try:
-                actor = ray.get_actor(name, namespace="serve")
-                return await asyncio.wait_for(actor.record_routing_stats.remote(), METRICS_TIMEOUT_S)
-            except Exception:  # gone or restarting: no series this time
+                return await asyncio.wait_for(self._metrics_handle.remote(Pinned(label)), METRICS_TIMEOUT_S)
+            except Exception:  # gone, restarting, or not yet known to the router: no series this time
                 return None
 
-        results = await asyncio.gather(*(one(name) for name in names))
-        return {name[len(self._replica_name_prefix):]: stats for name, stats in zip(names, results) if stats}
+        results = await asyncio.gather(*(one(label) for label in labels))
+        return {label: text for label, text in zip(labels, results) if text is not None}
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
@@ -185,7 +228,13 @@ def build_ingress(handle: DeploymentHandle, replica_name_prefix: str, *, api_key
     """The ingress app; `app.state.drain()` as build_app's (the replicas' requests are what drains)."""
     state = ServerState()
     forwarder = Forwarder(handle, replica_name_prefix)
-    app = FastAPI(title="backfill", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await forwarder.open_muxes()
+        yield
+
+    app = FastAPI(title="backfill", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.exit = lambda status: None
     app.state.forwarder = forwarder
 
@@ -200,6 +249,7 @@ def build_ingress(handle: DeploymentHandle, replica_name_prefix: str, *, api_key
             deadline = time.monotonic() + ABORT_FLUSH_S
             while state.num_active and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
+        await forwarder.close()
 
     app.state.drain = drain
 
@@ -213,8 +263,8 @@ def build_ingress(handle: DeploymentHandle, replica_name_prefix: str, *, api_key
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        stats = await forwarder.replica_stats()
-        text = merge_metrics({label: s["metrics"] for label, s in stats.items()}) + router_metrics(all_decisions())
+        text = (merge_metrics(await forwarder.replica_metrics()) + router_metrics(all_decisions())
+                + stream_item_metrics(forwarder.muxes.num_items))
         return Response(text, media_type=CONTENT_TYPE)
 
     app.add_middleware(GateMiddleware, state=state, api_key=api_key)

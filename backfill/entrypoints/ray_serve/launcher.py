@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 
 from backfill.entrypoints.openai.launcher import EXIT_HOOKS, api_key_from_args, check_server_args, exit_now, serve_app
 from backfill.entrypoints.ray_serve.options import RouterConfig
@@ -29,6 +30,7 @@ DEPLOYMENT_NAME = "EngineReplica"
 MAX_ONGOING_REQUESTS = 100_000
 ROUTING_STATS_PERIOD_S = 0.5  # how often each replica reports its engine's load to the router
 HEALTH_CHECK_PERIOD_S = 2.0
+KILL_WAIT_S = 0.5  # for the local Ray instance's processes to be gone once killed
 # By import path: Ray Serve imports it in the process that holds the handle (this one).
 ROUTER_CLASS = "backfill.entrypoints.ray_serve.router.BackfillRouter"
 
@@ -102,9 +104,27 @@ def _remove_local_ray(temp_dir: str) -> None:
 
 
 def _kill_descendants() -> None:
-    for pid in _descendants(os.getpid()):
+    """SIGKILL every process under this one, and wait (KILL_WAIT_S at most) for them to be gone.
+
+    NOTE: a killed process still finishes the system call it is in: the Ray processes writing
+    into the temporary directory would otherwise put files back while it is being removed.
+    """
+    pids = _descendants(os.getpid())
+    for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + KILL_WAIT_S
+    while any(map(_is_running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _is_running(pid: int) -> bool:
+    """Alive and not a zombie (a dead child not yet reaped does nothing more)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _descendants(pid: int) -> list[int]:

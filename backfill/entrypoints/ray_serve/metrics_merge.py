@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 ROUTER_REQUESTS = "backfill:router_requests_total"
+STREAM_ITEMS = "backfill:ray_stream_items_total"
 
 
 def _with_label(sample: str, label: str) -> str:
@@ -46,4 +47,12 @@ def router_metrics(decisions: Mapping[tuple[str, str], int]) -> str:
              f"# TYPE {ROUTER_REQUESTS} counter"]
     lines += [f'{ROUTER_REQUESTS}{{reason="{reason}",replica="{replica}"}} {float(count)}'
               for (reason, replica), count in sorted(decisions.items())]
+    return "\n".join(lines) + "\n"
+
+
+def stream_item_metrics(num_items: Mapping[str, int]) -> str:
+    """backfill:ray_stream_items_total{kind} from kind ("mux", "inline") -> Ray items received."""
+    lines = [f"# HELP {STREAM_ITEMS} Ray stream items the ingress received: mux batches, or a request's own.",
+             f"# TYPE {STREAM_ITEMS} counter"]
+    lines += [f'{STREAM_ITEMS}{{kind="{kind}"}} {float(count)}' for kind, count in sorted(num_items.items())]
     return "\n".join(lines) + "\n"

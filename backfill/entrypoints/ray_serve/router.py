@@ -16,6 +16,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
+from backfill.entrypoints.ray_serve.asgi_call import Pinned
 from backfill.entrypoints.ray_serve.options import RouterConfig
 from backfill.entrypoints.ray_serve.policy import RoutingPolicy, register_policy
 
@@ -31,9 +32,17 @@ def replica_label(replica_id: ReplicaID) -> str:
     return str(replica_id.unique_id)
 
 
+class ReplicaGone(RuntimeError):
+    """A pinned call's replica is not (or no longer) among the router's replicas."""
+
+
 class BackfillRouter(RequestRouter):
     """Routes each request by RoutingPolicy; loads come from the replicas' `record_routing_stats`
-    (EngineReplica: its engine's running + waiting sequences), asked every LOAD_POLL_PERIOD_S."""
+    (EngineReplica: its engine's running + waiting sequences), asked every LOAD_POLL_PERIOD_S.
+
+    A call whose first argument is a `Pinned` goes to the replica it names, or fails at once
+    (ReplicaGone) when that one is not there; it does not count in the policy's loads or decisions.
+    """
 
     def initialize_state(self, **kwargs: Any) -> None:
         self._policy = RoutingPolicy(RouterConfig(**kwargs))
@@ -69,8 +78,10 @@ class BackfillRouter(RequestRouter):
             self._poller = asyncio.ensure_future(self._poll_loads())
         if pending_request is None or not candidate_replicas:
             return [candidate_replicas]
-        by_id = {replica.replica_id: replica for replica in candidate_replicas}
         args = pending_request.args
+        if args and isinstance(args[0], Pinned):
+            return self._pinned(args[0], candidate_replicas, pending_request)
+        by_id = {replica.replica_id: replica for replica in candidate_replicas}
         text = getattr(args[0], "routing_text", "") if args else ""
         loads = {replica.replica_id: self._engine_load(replica) for replica in candidate_replicas}
         request_id = pending_request.metadata.internal_request_id
@@ -78,6 +89,18 @@ class BackfillRouter(RequestRouter):
         self._reasons[request_id] = reason
         # The others after it: should the chosen one refuse, Ray Serve tries them in turn.
         return [[by_id[chosen]], [r for r in candidate_replicas if r.replica_id != chosen]]
+
+    def _pinned(self, pinned: Pinned, candidate_replicas: list[RunningReplica],
+                pending_request: PendingRequest) -> list[list[RunningReplica]]:
+        for replica in candidate_replicas:
+            if replica_label(replica.replica_id) == pinned.replica:
+                return [[replica]]
+        # NOTE: an empty answer would make Ray Serve ask again forever (with backoff). Failing the
+        # request's future fails the call; the routing task, seeing it done, sends it nowhere.
+        if not pending_request.future.done():
+            pending_request.future.set_exception(ReplicaGone(f"no replica {pinned.replica}"))
+        self._remove_pending_request_from_indices(pending_request)
+        return [candidate_replicas]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:

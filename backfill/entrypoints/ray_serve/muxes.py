@@ -1,0 +1,106 @@
+"""Muxes: the ingress's side of the per-replica muxes (mux.py), over Ray Serve.
+
+One mux id per ingress (`mux_id`, sent with every request). A mux to each replica is opened when
+the ingress starts, and whenever a request is accepted by a replica with no open mux from here
+(EngineReplica.open_mux, pinned to it through the same handle and router); each is read by a task
+of its own, which dispatches each
+batch to the requests' inboxes. A mux that ends or breaks (its replica died, or restarted) fails
+the requests bound to it; the next request that replica accepts opens a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from backfill.entrypoints.ray_serve.asgi_call import Accepted, End, Pinned
+from backfill.entrypoints.ray_serve.mux import Demux, Inbox, MuxClosed
+
+logger = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 1.0  # for the muxes to end once cancelled (the drain)
+
+
+@dataclass
+class _Mux:
+    mux: int
+    responses: DeploymentResponseGenerator
+    task: asyncio.Task[None]
+
+
+class Muxes:
+    """One mux per replica; `num_items` counts the Ray items received, by kind ("mux": a batch,
+    "inline": an item of a request's own stream)."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self.mux_id = uuid.uuid4().hex
+        self.demux = Demux()
+        self.num_items: Counter[str] = Counter({"mux": 0, "inline": 0})
+        self._handle = handle.options(method_name="open_mux", stream=True)
+        self._open: dict[str, _Mux] = {}  # by replica label
+        self._num_opened = 0
+        self._closing = False
+
+    def bind(self, inbox: Inbox, accepted: Accepted) -> None:
+        """A request was accepted: a muxed one's inbox is bound to its mux (and failed at once if
+        that mux is no longer open); a replica with no open mux gets one."""
+        current = self._open.get(accepted.replica)
+        is_open = current is not None and not current.task.done()
+        if accepted.mux:
+            inbox.mux = accepted.mux
+            if not is_open or current.mux != accepted.mux:  # type: ignore[union-attr]
+                inbox.fail(MuxClosed(f"mux {accepted.mux} to replica {accepted.replica} is closed"))
+        if not is_open and accepted.replica:
+            self.open(accepted.replica)
+
+    def open(self, replica: str) -> None:
+        """Open a mux to `replica` unless one is open (or the muxes are closing)."""
+        current = self._open.get(replica)
+        if self._closing or (current is not None and not current.task.done()):
+            return
+        self._num_opened += 1
+        mux = self._num_opened
+        responses = self._handle.remote(Pinned(replica), self.mux_id, mux)
+        self._open[replica] = _Mux(mux, responses, asyncio.ensure_future(self._read(mux, responses)))
+
+    async def _read(self, mux: int, responses: DeploymentResponseGenerator) -> None:
+        failure = MuxClosed(f"mux {mux} ended")
+        try:
+            async for batch in responses:
+                self.num_items["mux"] += 1
+                self.demux.dispatch(batch)
+        except Exception as error:  # the replica died (or the pinned call found it gone)
+            logger.warning("mux %d broke: %s", mux, type(error).__name__)
+            failure = MuxClosed(f"mux {mux} broke: {type(error).__name__}")
+        finally:
+            self.demux.fail_mux(mux, failure)
+
+    async def follow(self, responses: DeploymentResponseGenerator, inbox: Inbox) -> None:
+        """The rest of a muxed request's own stream, after ResponseStart: its End, or its failure,
+        to its inbox."""
+        try:
+            async for part in responses:
+                self.num_items["inline"] += 1
+                if isinstance(part, End):
+                    inbox.end(part.num_chunks)
+                    return
+            inbox.fail(MuxClosed("the request's stream ended without End"))
+        except Exception as error:  # the replica died, or the request was cancelled (the drain)
+            inbox.fail(error)
+
+    async def close(self) -> None:
+        """Close every mux (the drain: once no request is in flight) and open no more."""
+        self._closing = True
+        for mux in self._open.values():
+            mux.responses.cancel()
+        tasks = [mux.task for mux in self._open.values()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
+        for task in tasks:  # NOTE: a mux Ray did not end in time is left to Ray's shutdown
+            task.cancel()
+        self._open.clear()
