@@ -1,6 +1,6 @@
 """The planner's time model: what one engine step costs, fitted on this machine's measured steps.
 
-A step's wall time is modelled as linear in three counts of its work (plus a constant):
+A step's wall time is modelled on three counts of its work (plus a constant):
 
     step_s = intercept_s + per_token_s * num_tokens + per_seq_s * num_seqs + per_kv_token_s * num_kv_tokens
              + sum(per_token_above_s[k] * max(num_tokens - token_knots[k], 0))
@@ -13,8 +13,8 @@ fused small-batch path up to a few rows, register-blocked panels above), so the 
 piecewise linear, its slope changing at `token_knots` (powers of two the measured steps span,
 chosen by `choose_knots`); it never falls as tokens are added.
 Padding rows of a static batch count as rows of one token over their context, as they are
-computed. The coefficients come from least squares over steps the real engine ran
-(`calibrate.py`), kept non-negative.
+computed. The coefficients come from a least-squares fit over steps the real engine ran
+(`calibrate.py`), the plain ones kept non-negative.
 
 A served request also pays the front end: HTTP, JSON and tokenizing before its prompt reaches
 the engine core, and the delivery of its tokens after. `frontend_s` adds that to every
@@ -113,9 +113,8 @@ class Calibration:
     def step_time(self, shape: StepShape, served: bool = True) -> float:
         """Seconds the step takes: in a server's core process when `served` (times
         `served_step_factor`), else in-process with its output processing."""
-        seconds = (self.intercept_s + self.per_token_s * shape.num_tokens + self.per_seq_s * shape.num_seqs
-                   + self.per_kv_token_s * shape.num_kv_tokens
-                   + sum(c * max(shape.num_tokens - k, 0) for k, c in zip(self.token_knots, self.per_token_above_s)))
+        coefficients = (self.intercept_s, self.per_token_s, self.per_seq_s, self.per_kv_token_s, *self.per_token_above_s)
+        seconds = sum(c * f for c, f in zip(coefficients, shape.features(self.token_knots)))
         if served:
             return seconds * self.served_step_factor
         return seconds + self.offline_step_s + self.offline_token_s * shape.num_sampled
@@ -137,7 +136,8 @@ class Calibration:
         try:
             data = json.loads(Path(path).read_text())
             if not isinstance(data, dict) or data.pop("version", None) != CALIBRATION_VERSION:
-                raise ValueError(f"not a version-{CALIBRATION_VERSION} calibration")
+                raise ValueError(f"not a version-{CALIBRATION_VERSION} calibration (make a new one: backfill plan "
+                                 "calibrate, or --recalibrate)")
             known = {f.name for f in fields(cls)}
             unknown = set(data) - known
             if unknown:
