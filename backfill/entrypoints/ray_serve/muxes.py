@@ -74,8 +74,9 @@ class Muxes:
             async for batch in responses:
                 self.num_items["mux"] += 1
                 self.demux.dispatch(batch)
-        except Exception as error:  # the replica died (or the pinned call found it gone)
-            logger.warning("mux %d broke: %s", mux, type(error).__name__)
+        except Exception as error:  # the replica died (or the pinned call found it gone), or the drain closed it
+            logger.log(logging.INFO if self._closing else logging.WARNING, "mux %d broke: %s", mux,
+                       type(error).__name__)
             failure = MuxClosed(f"mux {mux} broke: {type(error).__name__}")
         finally:
             self.demux.fail_mux(mux, failure)
