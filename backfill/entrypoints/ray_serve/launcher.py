@@ -159,6 +159,10 @@ def _serve(args: argparse.Namespace, router_config: RouterConfig, num_replicas: 
         EngineReplica, name=DEPLOYMENT_NAME, num_replicas=num_replicas, max_ongoing_requests=MAX_ONGOING_REQUESTS,
         max_queued_requests=-1, ray_actor_options={"num_cpus": num_threads},
         health_check_period_s=HEALTH_CHECK_PERIOD_S, graceful_shutdown_timeout_s=args.shutdown_timeout,
+        # NOTE: the ingress logs requests as the single server does (--access-log); Ray Serve's
+        # own line per call in every replica (relayed to this process's stdout) would log each
+        # one regardless, and each mux and metrics call besides.
+        logging_config={"enable_access_log": False},
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER_CLASS, request_router_kwargs=dataclasses.asdict(router_config),
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S))
