@@ -26,6 +26,7 @@ from backfill.config import EngineConfig
 from backfill.core.outputs import SchedulerOutput
 
 if TYPE_CHECKING:
+    from backfill.bench.serve_client import ServeBenchConfig
     from backfill.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -160,13 +161,14 @@ def probe_server(base_url: str, calibration: Calibration, config: EngineConfig,
     process and the client take CPU from the engine all along (on 2 cores, ~10-30% of its
     step time, measured): the factor charges that to every step. The median of PROBE_REPEATS
     bursts, each of new prompts (a replay would hit the prefix cache)."""
+    from backfill.bench.planner import sim_requests
     from backfill.bench.serve_client import ServeBenchConfig, run_serve_benchmark
-    from backfill.bench.simulator import SimRequest, simulate
+    from backfill.bench.simulator import simulate
     from backfill.bench.workloads import WorkloadRequest
 
     bench = ServeBenchConfig(base_url=base_url, show_progress=False, api_key=api_key)
     if num_slots is None:
-        num_slots = _server_slots(base_url, api_key)
+        num_slots = _server_slots(bench)
     served_config = replace(config, max_num_seqs=num_slots)
     # 1. Single requests, one at a time: TTFT = front end + one prefill step.
     singles = [WorkloadRequest(max_tokens=1, prompt_token_ids=_prompt(500 + i, 32), arrival_time=0.6 * i)
@@ -179,8 +181,7 @@ def probe_server(base_url: str, calibration: Calibration, config: EngineConfig,
         return measured
 
     def sim(requests: list[WorkloadRequest], model: Calibration) -> dict[str, Any]:
-        sim_requests = [SimRequest(list(r.prompt_token_ids or []), r.max_tokens, r.arrival_s) for r in requests]
-        return simulate(sim_requests, served_config, model).summary()
+        return simulate(sim_requests(requests, None), served_config, model).summary()  # prompts are token ids
 
     base = calibration.with_server(frontend_s=0.0, served_step_factor=1.0)
     # Warm-up: the server's first steps at each batch shape pay one-time costs (as warm_up here)
@@ -217,13 +218,15 @@ def _burst(num_slots: int, seed: int, max_tokens: int | None = None) -> list[Wor
     return requests
 
 
-def _server_slots(base_url: str, api_key: str | None) -> int:
+def _server_slots(bench: ServeBenchConfig) -> int:
     """The server's max_num_seqs, from its /v1/stats."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    from backfill.bench.serve_client import request_headers
+
+    base_url = bench.base_url
     try:
-        response = httpx.get(base_url.rstrip("/") + "/v1/stats", headers=headers, timeout=10)
+        response = httpx.get(base_url.rstrip("/") + "/v1/stats", headers=request_headers(bench), timeout=10)
         response.raise_for_status()
         return int(response.json()["num_slots"])
     except (httpx.HTTPError, KeyError, TypeError, ValueError) as error:

@@ -61,7 +61,8 @@ class _StreamState:
     usage_cached_tokens: int = 0
 
 
-def _headers(config: ServeBenchConfig) -> dict[str, str]:
+def request_headers(config: ServeBenchConfig) -> dict[str, str]:
+    """The headers of every request to the server (its API key, when it has one)."""
     headers = {"Content-Type": "application/json"}
     if config.api_key:
         headers["Authorization"] = f"Bearer {config.api_key}"
@@ -122,7 +123,7 @@ async def send_request(
     state = _StreamState()
     start = time.perf_counter()
     try:
-        async with session.post(url, json=build_payload(request, model, config), headers=_headers(config)) as response:
+        async with session.post(url, json=build_payload(request, model, config), headers=request_headers(config)) as response:
             if response.status != 200:
                 body = (await response.text())[:500]
                 raise RuntimeError(f"HTTP {response.status}: {body}")
@@ -166,7 +167,7 @@ async def send_request(
 async def fetch_model_id(session: aiohttp.ClientSession, base_url: str, config: ServeBenchConfig) -> str:
     """The first model the server lists; "default" when it lists none (llama-server accepts any)."""
     try:
-        async with session.get(base_url + "/v1/models", headers=_headers(config)) as response:
+        async with session.get(base_url + "/v1/models", headers=request_headers(config)) as response:
             if response.status == 200:
                 data = await response.json()
                 models = data.get("data") or []
