@@ -84,6 +84,8 @@ def load_or_calibrate(path: str | Path, config: EngineConfig) -> Calibration:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from backfill.bench.calibrate import probe_server, run_calibration
 
+    if args.probe_num_slots is not None and args.probe_num_slots < 1:
+        raise ValueError(f"--probe-num-slots must be >= 1, got {args.probe_num_slots}")
     config = EngineConfig.from_cli_args(args)
     calibration = run_calibration(config, show_progress=True)
     if args.base_url:

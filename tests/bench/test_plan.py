@@ -319,6 +319,11 @@ def test_cli_plans_a_small_workload(measured_calibration: Path, tmp_path: Path) 
     assert (tmp_path / "plan.png").stat().st_size > 0
     bad = subprocess.run(command[:-2] + ["--slo", "ttft=1"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "slo" in bad.stderr
+    no_slots = subprocess.run([sys.executable, "-m", "backfill.entrypoints.cli", "plan", "calibrate", "--base-url",
+                               "http://127.0.0.1:1", "--probe-num-slots", "0", "-o", str(tmp_path / "c.json")],
+                              capture_output=True, text=True, timeout=300)
+    assert no_slots.returncode == 2 and "--probe-num-slots must be >= 1" in no_slots.stderr
+    assert not (tmp_path / "c.json").exists()
 
 
 def test_cli_calibrates_when_the_file_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
