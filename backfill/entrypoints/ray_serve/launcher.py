@@ -18,6 +18,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 
 from backfill.entrypoints.openai.launcher import EXIT_HOOKS, api_key_from_args, check_server_args, exit_now, serve_app
 from backfill.entrypoints.ray_serve.options import RouterConfig
@@ -75,56 +76,73 @@ def run_ray_server(args: argparse.Namespace) -> int:
     except (ConnectionError, RuntimeError) as error:  # no cluster there, or the replicas failed to start
         logger.error("%s", error)
     finally:
-        _stop_ray(local)
         if temp_dir is not None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-    if drained:
+            _remove_local_ray(temp_dir)
+        else:
+            _leave_cluster()
+    if drained or local:
+        # NOTE: not a return: Ray's own exit handler would call ray.shutdown(), which waits
+        # seconds on the daemons just killed.
         exit_now(status)
     return status
 
 
-def _stop_ray(local: bool) -> None:
-    """Remove our replicas: with the local Ray instance itself (every process this server started,
-    the replicas' engine cores included, is killed), or from the cluster we joined."""
+def _leave_cluster() -> None:
+    """Remove our replicas from the cluster we joined, and disconnect."""
     import ray
     from ray import serve
 
-    if local:
-        _kill_descendants()
-    else:
-        with contextlib.suppress(Exception):
-            serve.delete(APP_NAME)
+    with contextlib.suppress(Exception):
+        serve.delete(APP_NAME)
     with contextlib.suppress(Exception):
         ray.shutdown()
 
 
 def _remove_local_ray(temp_dir: str) -> None:
-    _kill_descendants()
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    """Stop the local Ray instance: every process this server started (the Ray daemons, the
+    replicas, their engine cores) is stopped (SIGSTOP), the temporary directory removed, then
+    they are killed (SIGKILL).
 
-
-def _kill_descendants() -> None:
-    """SIGKILL every process under this one, and wait (KILL_WAIT_S at most) for them to be gone.
-
-    NOTE: a killed process still finishes the system call it is in: the Ray processes writing
-    into the temporary directory would otherwise put files back while it is being removed.
+    NOTE: in this order on purpose. This process's Ray client ends the process on the spot
+    when it sees the raylet die (exit status 1, and whatever was left to do undone: the
+    directory stayed behind now and then); a process stopped first writes no more files, and a
+    stopped raylet keeps its socket open. ray.shutdown() first is no better: the Serve handle's
+    threads still call into Ray and end the process too (status 1, or a segfault).
     """
-    pids = _descendants(os.getpid())
+    pids: list[int] = []
+    while new := [pid for pid in _descendants(os.getpid()) if pid not in pids]:  # a stopped process forks no more
+        pids += _signal_all(new, signal.SIGSTOP, _is_running)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    _signal_all(pids, signal.SIGKILL, _is_alive)
+
+
+def _signal_all(pids: list[int], sig: signal.Signals, pending: Callable[[int], bool]) -> list[int]:
+    """Send `sig` to `pids`, then wait (KILL_WAIT_S at most) until `pending` is false for all."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
     deadline = time.monotonic() + KILL_WAIT_S
-    while any(map(_is_running, pids)) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    while any(map(pending, pids)) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return pids
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (R, S, D, T, Z, ...), or "" when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _is_running(pid: int) -> bool:
-    """Alive and not a zombie (a dead child not yet reaped does nothing more)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    """Neither stopped nor dead (a zombie, a dead child not yet reaped, does nothing more)."""
+    return _state(pid) not in ("", "T", "t", "Z", "X")
+
+
+def _is_alive(pid: int) -> bool:
+    return _state(pid) not in ("", "Z", "X")
 
 
 def _descendants(pid: int) -> list[int]:
