@@ -31,7 +31,7 @@ DEPLOYMENT_NAME = "EngineReplica"
 MAX_ONGOING_REQUESTS = 100_000
 ROUTING_STATS_PERIOD_S = 0.5  # how often each replica reports its engine's load to the router
 HEALTH_CHECK_PERIOD_S = 2.0
-KILL_WAIT_S = 0.5  # for the local Ray instance's processes to be gone once killed
+KILL_WAIT_S = 0.5  # for the local Ray instance's processes to be stopped, or gone once killed
 # By import path: Ray Serve imports it in the process that holds the handle (this one).
 ROUTER_CLASS = "backfill.entrypoints.ray_serve.router.BackfillRouter"
 
