@@ -111,12 +111,13 @@ def _remove_local_ray(temp_dir: str) -> None:
     """
     pids: list[int] = []
     while new := [pid for pid in _descendants(os.getpid()) if pid not in pids]:  # a stopped process forks no more
-        pids += _signal_all(new, signal.SIGSTOP, _is_running)
+        _signal_all(new, signal.SIGSTOP, _is_running)
+        pids += new
     shutil.rmtree(temp_dir, ignore_errors=True)
     _signal_all(pids, signal.SIGKILL, _is_alive)
 
 
-def _signal_all(pids: list[int], sig: signal.Signals, pending: Callable[[int], bool]) -> list[int]:
+def _signal_all(pids: list[int], sig: signal.Signals, pending: Callable[[int], bool]) -> None:
     """Send `sig` to `pids`, then wait (KILL_WAIT_S at most) until `pending` is false for all."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -124,7 +125,6 @@ def _signal_all(pids: list[int], sig: signal.Signals, pending: Callable[[int], b
     deadline = time.monotonic() + KILL_WAIT_S
     while any(map(pending, pids)) and time.monotonic() < deadline:
         time.sleep(0.005)
-    return pids
 
 
 def _state(pid: int) -> str:
