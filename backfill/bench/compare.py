@@ -1,12 +1,15 @@
 """`bench compare`: one workload through backfill continuous, backfill static and transformers
 `generate()` on padded static batches, in one process, same model and dtype, same batch size.
 
-Each system is loaded once, warmed up, then runs the workload `repeats` times; the report
-gives each figure's median over the repeats and the ratios between systems.
+Every system is loaded once and warmed up; then the workload runs `repeats` rounds, each
+system once a round (side by side: the machine's speed drifts over minutes). The report gives
+each figure's median over the repeats, and each ratio between systems as the median over the
+rounds of that round's ratio.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import statistics
@@ -107,17 +110,27 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def compute_ratios(medians: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-    """Throughput ratios (continuous over the others) and tail-latency ratios (others over continuous)."""
-    c = medians.get("continuous", {})
+def compute_ratios(medians: dict[str, dict[str, Any]],
+                   runs: dict[str, Sequence[dict[str, Any]]] | None = None) -> dict[str, float | None]:
+    """Throughput ratios (continuous over the others) and tail-latency ratios (others over
+    continuous). With `runs` (each system's summaries, one a round), each ratio is the median
+    over the rounds both systems ran of that round's ratio; else the ratio of the medians."""
+    runs = runs or {}
     ratios: dict[str, float | None] = {}
+
+    def ratio(key: str, numerator: str, denominator: str) -> float | None:
+        rounds = zip(runs.get(numerator, ()), runs.get(denominator, ()))
+        paired = [r for r in (_ratio(n.get(key), d.get(key)) for n, d in rounds) if r is not None]
+        if paired:
+            return statistics.median(paired)
+        return _ratio(medians[numerator].get(key), medians[denominator].get(key))
+
     for other in BASELINES:
-        o = medians.get(other)
-        if not c or not o:
+        if not medians.get("continuous") or not medians.get(other):
             continue
-        ratios[f"continuous_vs_{other}_output_throughput"] = _ratio(c.get("output_throughput"), o.get("output_throughput"))
-        ratios[f"{other}_vs_continuous_p50_e2el"] = _ratio(o.get("p50_e2el_ms"), c.get("p50_e2el_ms"))
-        ratios[f"{other}_vs_continuous_p99_e2el"] = _ratio(o.get("p99_e2el_ms"), c.get("p99_e2el_ms"))
+        ratios[f"continuous_vs_{other}_output_throughput"] = ratio("output_throughput", "continuous", other)
+        ratios[f"{other}_vs_continuous_p50_e2el"] = ratio("p50_e2el_ms", other, "continuous")
+        ratios[f"{other}_vs_continuous_p99_e2el"] = ratio("p99_e2el_ms", other, "continuous")
     return ratios
 
 
@@ -130,60 +143,34 @@ def run_compare(
 ) -> tuple[dict[str, Any], dict[str, OfflineRun]]:
     """Run every system; returns (report, each system's median-throughput repeat, for plots).
 
-    `checkpoint`, when given, receives the report so far after every repeat, so a run that
-    is interrupted keeps what it measured.
+    Every system is loaded (and warmed up) first; then the repeats run in rounds, each system
+    once a round, the order rotating from one round to the next: the machine's speed drifts
+    over minutes, and rounds put each pair of runs side by side. `checkpoint`, when given,
+    receives the report so far after every run, so a run that is interrupted keeps what it
+    measured.
     """
     host_before = describe_host()
+    systems = [name for name in SYSTEMS if name in config.systems]
+    runners: dict[str, Callable[[str], tuple[OfflineRun, dict[str, Any]]]] = {}
     tokenized: list[WorkloadRequest] | None = None
-    per_system: dict[str, list[dict[str, Any]]] = {}
-    all_runs: dict[str, list[OfflineRun]] = {}
-    for name, (policy, static_padding) in ENGINE_SYSTEMS.items():
-        if name not in config.systems:
-            continue
-        engine = make_engine(replace(config.engine, policy=policy, static_padding=static_padding))
-        if tokenized is None:
-            tokenized = tokenize_workload(requests, lambda text: engine.tokenizer.encode(text, add_special_tokens=True))
-        warm_up(engine)
-        roofline = None
-        if machine is not None and model_shape is not None:
-            engine_shape, engine_dtype = engine_model_shape(model_shape, engine)
-            roofline = (engine_shape, machine, engine_dtype, engine.config.block_size)
-        summaries = per_system.setdefault(name, [])
-        for repeat in range(config.repeats):
-            run = run_offline_workload(engine, tokenized, f"{name} #{repeat + 1}", config.show_progress)
-            all_runs.setdefault(name, []).append(run)
-            summaries.append(summarize_offline(run, roofline=roofline, price_per_hour=config.price_per_hour))
-            logger.info("%s repeat %d: %.1f output tok/s", name, repeat + 1, summaries[-1]["output_throughput"])
+    for name in systems:
+        runner, encode = (_hf_runner(config) if name == "hf"
+                          else _engine_runner(name, config, machine, model_shape))
+        if tokenized is None:  # every system gets the first one's token ids
+            tokenized = tokenize_workload(requests, encode)
+        runners[name] = functools.partial(runner, tokenized)
+    per_system: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
+    all_runs: dict[str, list[OfflineRun]] = {name: [] for name in systems}
+    for repeat in range(config.repeats):
+        for name in systems[repeat % len(systems):] + systems[:repeat % len(systems)]:
+            run, summary = runners[name](f"{name} #{repeat + 1}")
+            all_runs[name].append(run)
+            per_system[name].append(summary)
+            logger.info("%s repeat %d: %.1f output tok/s", name, repeat + 1, summary["output_throughput"])
             if checkpoint is not None:
                 checkpoint(build_report(requests, config, machine, host_before, per_system))
-        del engine
-        gc.collect()
-    if "hf" in config.systems:
-        from backfill.bench.hf_baseline import load_hf_model, pad_token_id, run_hf_static
-
-        if config.engine.num_threads is not None:
-            import torch
-
-            torch.set_num_threads(config.engine.num_threads)
-        hf_model, tokenizer = load_hf_model(config.engine.model, config.engine.dtype, config.engine.device)
-        if tokenized is None:
-            tokenized = tokenize_workload(requests, lambda text: tokenizer.encode(text))
-        pad_id = pad_token_id(tokenizer)
-        warm = [tokenized[0].prompt_token_ids or [1]] * config.batch_size
-        run_hf_static(hf_model, warm, [4] * config.batch_size, config.batch_size, pad_id)  # warm-up
-        prompts = [list(r.prompt_token_ids or []) for r in tokenized]
-        max_tokens = [r.max_tokens for r in tokenized]
-        arrivals = [r.arrival_s for r in tokenized]
-        summaries = per_system.setdefault("hf", [])
-        for repeat in range(config.repeats):
-            run = run_hf_static(hf_model, prompts, max_tokens, config.batch_size, pad_id, arrivals,
-                                f"hf #{repeat + 1}", config.show_progress)
-            all_runs.setdefault("hf", []).append(run)
-            summaries.append(summarize_offline(run, price_per_hour=config.price_per_hour))
-            if checkpoint is not None:
-                checkpoint(build_report(requests, config, machine, host_before, per_system))
-        del hf_model
-        gc.collect()
+    runners.clear()
+    gc.collect()
     report = build_report(requests, config, machine, host_before, per_system)
     representative = {}
     for name, runs in all_runs.items():
@@ -191,6 +178,47 @@ def run_compare(
         report["medians"][name]["representative_repeat"] = index
         representative[name] = runs[index]
     return report, representative
+
+
+def _engine_runner(name: str, config: CompareConfig, machine: MachineRoofline | None, model_shape: ModelShape | None
+                   ) -> tuple[Callable[..., tuple[OfflineRun, dict[str, Any]]], Callable[[str], list[int]]]:
+    """A loaded, warmed-up backfill engine of system `name`: (run(tokenized, label), encode)."""
+    policy, static_padding = ENGINE_SYSTEMS[name]
+    engine = make_engine(replace(config.engine, policy=policy, static_padding=static_padding))
+    warm_up(engine)
+    roofline = None
+    if machine is not None and model_shape is not None:
+        engine_shape, engine_dtype = engine_model_shape(model_shape, engine)
+        roofline = (engine_shape, machine, engine_dtype, engine.config.block_size)
+
+    def run(tokenized: list[WorkloadRequest], label: str) -> tuple[OfflineRun, dict[str, Any]]:
+        result = run_offline_workload(engine, tokenized, label, config.show_progress)
+        return result, summarize_offline(result, roofline=roofline, price_per_hour=config.price_per_hour)
+
+    return run, lambda text: engine.tokenizer.encode(text, add_special_tokens=True)
+
+
+def _hf_runner(config: CompareConfig) -> tuple[Callable[..., tuple[OfflineRun, dict[str, Any]]],
+                                                Callable[[str], list[int]]]:
+    """transformers `generate()` on padded static batches, loaded and warmed up."""
+    from backfill.bench.hf_baseline import load_hf_model, pad_token_id, run_hf_static
+
+    if config.engine.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(config.engine.num_threads)
+    hf_model, tokenizer = load_hf_model(config.engine.model, config.engine.dtype, config.engine.device)
+    pad_id = pad_token_id(tokenizer)
+    warm = [tokenizer.encode("Warm up the model, please.") or [1]] * config.batch_size
+    run_hf_static(hf_model, warm, [4] * config.batch_size, config.batch_size, pad_id)  # warm-up
+
+    def run(tokenized: list[WorkloadRequest], label: str) -> tuple[OfflineRun, dict[str, Any]]:
+        result = run_hf_static(hf_model, [list(r.prompt_token_ids or []) for r in tokenized],
+                               [r.max_tokens for r in tokenized], config.batch_size, pad_id,
+                               [r.arrival_s for r in tokenized], label, config.show_progress)
+        return result, summarize_offline(result, price_per_hour=config.price_per_hour)
+
+    return run, tokenizer.encode
 
 
 def median_index(values: Sequence[float]) -> int:
@@ -233,7 +261,7 @@ def build_report(
         "machine": machine.to_json() if machine is not None else None,
         "host": {**host_before, "load_average_1m_after": describe_host().get("load_average_1m")},
         "medians": medians,
-        "ratios": compute_ratios(medians),
+        "ratios": compute_ratios(medians, per_system),
         "runs": {name: [_strip(s) for s in summaries] for name, summaries in per_system.items()},
     }
 
@@ -272,7 +300,8 @@ def format_compare(report: dict[str, Any]) -> str:
                 f"{ratios[f'{other}_vs_continuous_p50_e2el']:.2f}x / {ratios[f'{other}_vs_continuous_p99_e2el']:.2f}x continuous's"
             )
     host = report.get("host") or {}
-    lines.append(f"(medians over {report['config']['repeats']} repeat(s), dtype {report['config']['dtype']}, "
-                 f"batch size {report['config']['batch_size']}, {report['config'].get('num_threads')} thread(s); {host.get('cpu', '?')}, {host.get('num_cpus', '?')} CPUs, "
+    lines.append(f"(medians over {report['config']['repeats']} round(s), each system once a round, each ratio the "
+                 f"median of the rounds'; dtype {report['config']['dtype']}, batch size {report['config']['batch_size']}, "
+                 f"{report['config'].get('num_threads')} thread(s); {host.get('cpu', '?')}, {host.get('num_cpus', '?')} CPUs, "
                  f"load average {host.get('load_average_1m', '?')} before / {host.get('load_average_1m_after', '?')} after)")
     return "\n".join(lines)

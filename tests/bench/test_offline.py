@@ -95,7 +95,7 @@ def test_cli_compare_all_three_systems(tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
     proc = subprocess.run(
         [sys.executable, "-m", "backfill.bench.cli", "compare", "--num-requests", "4", "--short-tokens", "2", "3",
-         "--long-tokens", "6", "10", "--prompt-words", "8", "12", "--batch-size", "2", "--repeats", "1",
+         "--long-tokens", "6", "10", "--prompt-words", "8", "12", "--batch-size", "2", "--repeats", "2",
          "--dtype", "float32", "--max-model-len", "128", "--no-roofline", "--no-progress", "--plot",
          "--price-per-hour", "1.5", "--result-file", str(out)],
         capture_output=True, text=True, timeout=400,
@@ -103,6 +103,7 @@ def test_cli_compare_all_three_systems(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report["medians"]) == {"continuous", "static", "hf"}
+    assert all(len(runs) == 2 for runs in report["runs"].values())  # two rounds, each system once a round
     tokens = {name: m["total_output_tokens"] for name, m in report["medians"].items()}
     assert len(set(tokens.values())) == 1, tokens  # every system produced exactly the asked tokens
     assert report["ratios"]["continuous_vs_static_output_throughput"] > 0
