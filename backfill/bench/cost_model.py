@@ -12,8 +12,10 @@ The cost of a token is not one number: matrix kernels switch strategy with the r
 fused small-batch path up to a few rows, register-blocked panels above), so the token term is
 piecewise linear, its slope changing at `token_knots` (powers of two the measured steps span,
 chosen by `choose_knots`); it never falls as tokens are added.
-Padding rows of a static batch count as rows of one token over their context, as they are
-computed. The coefficients come from a least-squares fit over steps the real engine ran
+Padding rows of a static batch count as rows of one token, as they are computed, and their
+context at PADDING_CONTEXT_COST of a real one's: a padding row attends over the scratch block
+repeated (`worker/input_batch.py`), which stays in cache, so its attention pays the arithmetic
+but not the memory traffic. The coefficients come from a least-squares fit over steps the real engine ran
 (`calibrate.py`), the plain ones kept non-negative.
 
 A served request also pays the front end: HTTP, JSON and tokenizing before its prompt reaches
@@ -42,6 +44,10 @@ from backfill.core.outputs import SchedulerOutput
 CALIBRATION_VERSION = 2
 CANDIDATE_KNOTS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MIN_STEPS_PER_SEGMENT = 3  # a knot is used only with this many measured steps on each side of it
+# What a padding row's context costs against a real row's: the CPU decode attention over one
+# cached block repeated took 0.37-0.58x the time over distinct blocks (16 rows at contexts of
+# 200-700 tokens, Xeon Ice Lake, 2 threads: `python -m backfill.bench.decoder_step`).
+PADDING_CONTEXT_COST = 0.5
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,8 @@ class StepShape:
 def step_shape(output: SchedulerOutput) -> StepShape:
     """The shape of the step `output` schedules (its padding rows included)."""
     num_padding = len(output.padding_seq_lens)
-    kv = sum(s.num_computed_tokens + s.num_tokens for s in output.scheduled) + sum(output.padding_seq_lens)
+    kv = sum(s.num_computed_tokens + s.num_tokens for s in output.scheduled) + round(
+        PADDING_CONTEXT_COST * sum(output.padding_seq_lens))
     return StepShape(num_tokens=output.num_batched_tokens + num_padding,
                      num_seqs=len(output.scheduled) + num_padding, num_kv_tokens=kv,
                      num_sampled=sum(1 for s in output.scheduled if s.sample))

@@ -9,7 +9,8 @@ token after `context` cached tokens. The fused step runs twice: on the GGUF's ow
 (Q4_1 / Q8_0, the product path) and on F32 blocks (CpuDecoder.from_dense). Its time is split
 into linears (LM head included), attention and the rest (norms, RoPE + KV write, SiLU,
 embedding), measured inside the C++ step; the Python path's row shows its linears timed alone
-and the rest (total - linears). Figures are min / median over interleaved repeats.
+and the rest (total - linears). Figures are min / median over interleaved repeats. Last, a
+static batch's padding rows' attention against real rows'.
 """
 
 from __future__ import annotations
@@ -136,6 +137,31 @@ def bench_attention(repeats: int, block_size: int = 16) -> None:
         print(f"{name:>22} {fused * 1e3:8.2f} {python * 1e3:8.2f}")
 
 
+def bench_padding_rows(repeats: int, block_size: int = 16, rows: int = 16) -> None:
+    """A static batch's padding rows attend over one scratch block repeated (it stays in cache):
+    their attention against real rows' over distinct blocks, all 30 layers of the default model
+    (the planner charges a padding row's context at cost_model.PADDING_CONTEXT_COST)."""
+    ext = kernels.extension()
+    heads, kv_heads, head_dim, layers = 9, 3, 64, 30
+    print(f"\npadding rows: {rows} decodes x {layers} layers, min ms")
+    print(f"{'context':>8} {'real':>8} {'padding':>8} {'ratio':>6}")
+    for context in (200, 450, 700):
+        n = -(-(context + 1) // block_size)
+        times = {}
+        for name, tables in (("real", [list(range(r * n, (r + 1) * n)) for r in range(rows)]),
+                             ("padding", [[0] * n for _ in range(rows)])):
+            _, meta = build_attention_metadata([context] * rows, [1] * rows, tables, block_size, torch.device("cpu"))
+            shape = (rows * n, block_size, kv_heads, head_dim)
+            caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(layers)]
+            q = torch.randn(rows, heads, head_dim)
+
+            times[name] = _timed(lambda: [ext.paged_attention(q, k, v, meta.block_tables, meta.seq_lens,
+                                                              meta.query_start, head_dim**-0.5, 0)
+                                          for k, v in caches], repeats)[0]
+        print(f"{context:>8} {times['real'] * 1e3:8.2f} {times['padding'] * 1e3:8.2f} "
+              f"{times['padding'] / times['real']:6.2f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -152,6 +178,7 @@ def main() -> int:
     if not args.skip_steps:
         bench_steps(args.batches, args.context, args.repeats)
     bench_attention(args.repeats * 4)
+    bench_padding_rows(args.repeats * 3)
     return 0
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from backfill.bench.cost_model import (CALIBRATION_VERSION, Calibration, StepShape, calibration_from_steps,
-                                       choose_knots, fit_step_times, step_shape)
+from backfill.bench.cost_model import (CALIBRATION_VERSION, PADDING_CONTEXT_COST, Calibration, StepShape,
+                                       calibration_from_steps, choose_knots, fit_step_times, step_shape)
 from backfill.bench.planner import PlanPoint, cheapest, format_plan, parse_slo, run_point, sim_requests, sweep_points
 from backfill.bench.serve_client import ServeBenchConfig, schedule_arrivals
 from backfill.bench.simulator import SimRequest, simulate
@@ -112,7 +112,9 @@ def test_step_shape_counts_padding_rows() -> None:
     output = SchedulerOutput(scheduled=[ScheduledRequest("a", [1] * 8, 0, [0], sample=True),
                                         ScheduledRequest("b", [1], 30, [1, 2], sample=True)],
                              num_batched_tokens=9, padding_seq_lens=[12, 40])
-    assert step_shape(output) == StepShape(num_tokens=11, num_seqs=4, num_kv_tokens=8 + 31 + 12 + 40, num_sampled=2)
+    # the padding rows' contexts (12 and 40) read the cached scratch block: charged at PADDING_CONTEXT_COST
+    assert step_shape(output) == StepShape(num_tokens=11, num_seqs=4,
+                                           num_kv_tokens=8 + 31 + round(PADDING_CONTEXT_COST * 52), num_sampled=2)
 
 
 def test_a_prompt_that_does_not_fit_fails_like_the_server() -> None:
