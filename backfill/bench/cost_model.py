@@ -15,8 +15,8 @@ chosen by `choose_knots`); it never falls as tokens are added.
 Padding rows of a static batch count as rows of one token, as they are computed, and their
 context at PADDING_CONTEXT_COST of a real one's: a padding row attends over the scratch block
 repeated (`worker/input_batch.py`), which stays in cache, so its attention pays the arithmetic
-but not the memory traffic. The coefficients come from a least-squares fit over steps the real
-engine ran (`calibrate.py`), the plain ones kept non-negative.
+but not the memory traffic. The coefficients come from a least-absolute-relative-error fit over
+steps the real engine ran (`calibrate.py`), the plain ones kept non-negative.
 
 A served request also pays the front end: HTTP, JSON and tokenizing before its prompt reaches
 the engine core, and the delivery of its tokens after. `frontend_s` adds that to every
