@@ -55,6 +55,11 @@ HEADLINE_FIELDS: tuple[str, ...] = (
 )
 
 
+# A loaded system: run(token-id workload, label) -> (the run, its summary); and its tokenizer.
+Runner = Callable[[list[WorkloadRequest], str], tuple[OfflineRun, dict[str, Any]]]
+Encode = Callable[[str], list[int]]
+
+
 def _default_engine() -> EngineConfig:
     return EngineConfig(max_num_seqs=16, max_model_len=DEFAULT_MAX_MODEL_LEN)
 
@@ -151,7 +156,7 @@ def run_compare(
     """
     host_before = describe_host()
     systems = [name for name in SYSTEMS if name in config.systems]
-    runners: dict[str, Callable[[str], tuple[OfflineRun, dict[str, Any]]]] = {}
+    runners: dict[str, Callable[[str], tuple[OfflineRun, dict[str, Any]]]] = {}  # each a Runner, the workload bound
     tokenized: list[WorkloadRequest] | None = None
     for name in systems:
         runner, encode = (_hf_runner(config) if name == "hf"
@@ -181,7 +186,7 @@ def run_compare(
 
 
 def _engine_runner(name: str, config: CompareConfig, machine: MachineRoofline | None, model_shape: ModelShape | None
-                   ) -> tuple[Callable[..., tuple[OfflineRun, dict[str, Any]]], Callable[[str], list[int]]]:
+                   ) -> tuple[Runner, Encode]:
     """A loaded, warmed-up backfill engine of system `name`: (run(tokenized, label), encode)."""
     policy, static_padding = ENGINE_SYSTEMS[name]
     engine = make_engine(replace(config.engine, policy=policy, static_padding=static_padding))
@@ -198,8 +203,7 @@ def _engine_runner(name: str, config: CompareConfig, machine: MachineRoofline | 
     return run, lambda text: engine.tokenizer.encode(text, add_special_tokens=True)
 
 
-def _hf_runner(config: CompareConfig) -> tuple[Callable[..., tuple[OfflineRun, dict[str, Any]]],
-                                                Callable[[str], list[int]]]:
+def _hf_runner(config: CompareConfig) -> tuple[Runner, Encode]:
     """transformers `generate()` on padded static batches, loaded and warmed up."""
     from backfill.bench.hf_baseline import load_hf_model, pad_token_id, run_hf_static
 

@@ -147,7 +147,7 @@ def bench_padding_rows(repeats: int, block_size: int = 16, rows: int = 16) -> No
     print(f"{'context':>8} {'real':>8} {'padding':>8} {'ratio':>6}")
     for context in (200, 450, 700):
         n = -(-(context + 1) // block_size)
-        times = {}
+        times: dict[str, float] = {}
         for name, tables in (("real", [list(range(r * n, (r + 1) * n)) for r in range(rows)]),
                              ("padding", [[0] * n for _ in range(rows)])):
             _, meta = build_attention_metadata([context] * rows, [1] * rows, tables, block_size, torch.device("cpu"))
