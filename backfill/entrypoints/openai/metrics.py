@@ -41,16 +41,20 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.max_num_seqs = max_num_seqs
-        labels = ["model_name"]
+        # Every series but request_success has the one label, bound here once: `labels()` looks a
+        # child up under a lock, and the event loop updates a dozen series each step. Binding also
+        # exports each series from the start (at 0), so rates and alerts work before traffic.
+        labels = {"model_name": model_name}
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+            return Gauge(PREFIX + name, doc, list(labels), registry=self.registry).labels(**labels)
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, labels + list(extra), registry=self.registry)
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, list(labels), registry=self.registry).labels(**labels)
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+            return Histogram(PREFIX + name, doc, list(labels), buckets=buckets,
+                             registry=self.registry).labels(**labels)
 
         self.num_requests_running = gauge("num_requests_running", "Sequences in the running batch.")
         self.num_requests_waiting = gauge(
@@ -70,8 +74,10 @@ class ServerMetrics:
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self.request_success = counter(
-            "request_success", "Finished sequences, by finish reason.", ("finished_reason",))
+        self._request_success = Counter(PREFIX + "request_success", "Finished sequences, by finish reason.",
+                                        [*labels, "finished_reason"], registry=self.registry)
+        self._request_success_by_reason = {reason: self._request_success.labels(finished_reason=reason, **labels)
+                                           for reason in ("stop", "length")}
         self.request_abort = counter("request_abort", "Requests aborted (client gone or shutdown).")
         self.request_timeout = counter("request_timeout", "Sequences ended by their deadline (HTTP 408).")
         self.engine_steps = counter("engine_steps", "Engine steps run.")
@@ -86,81 +92,70 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
         self.queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
-        # Export every series from the start (at 0), so rates and alerts work before traffic.
-        for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
-                       self.kv_cache_cached_free_perc, self.prefix_cache_queries, self.prefix_cache_hits,
-                       self.batch_slots_used, self.batch_slots_idle, self.batch_slots_empty,
-                       self.num_preemptions, self.prompt_tokens, self.generation_tokens,
-                       self.request_abort, self.engine_steps, self.step_duration, self.slot_steps_used, self.slot_steps_idle,
-                       self.request_timeout, self.ttft, self.ttft_steps, self.itl, self.e2e, self.queue_time):
-            metric.labels(**self._labels())
-        for reason in ("stop", "length"):
-            self.request_success.labels(finished_reason=reason, **self._labels())
         self._last_token_time: dict[str, float] = {}  # request id -> last token time seen
         self._num_preemptions_seen = 0
 
-    def _labels(self) -> dict[str, str]:
-        return {"model_name": self.model_name}
-
     def on_step(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
-        labels = self._labels()
         if stats is not None:
-            self.engine_steps.labels(**labels).inc()
-            self.step_duration.labels(**labels).observe(stats.duration)
-            self.batch_slots_used.labels(**labels).set(stats.num_slots_useful)
-            self.batch_slots_idle.labels(**labels).set(stats.num_slots_idle)
+            self.engine_steps.inc()
+            self.step_duration.observe(stats.duration)
+            self.batch_slots_used.set(stats.num_slots_useful)
+            self.batch_slots_idle.set(stats.num_slots_idle)
             empty = max(stats.num_slots - stats.num_slots_useful - stats.num_slots_idle, 0)
-            self.batch_slots_empty.labels(**labels).set(empty)
-            self.slot_steps_used.labels(**labels).inc(stats.num_slots_useful)
-            self.slot_steps_idle.labels(**labels).inc(stats.num_slots_idle)
-            self.prefix_cache_queries.labels(**labels).inc(stats.num_prefix_cache_queries)
-            self.prefix_cache_hits.labels(**labels).inc(stats.num_prefix_cache_hits)
+            self.batch_slots_empty.set(empty)
+            self.slot_steps_used.inc(stats.num_slots_useful)
+            self.slot_steps_idle.inc(stats.num_slots_idle)
+            self.prefix_cache_queries.inc(stats.num_prefix_cache_queries)
+            self.prefix_cache_hits.inc(stats.num_prefix_cache_hits)
         for output in outputs:
-            self._observe_output(output, labels)
+            self._observe_output(output)
 
-    def _observe_output(self, output: RequestOutput, labels: dict[str, str]) -> None:
+    def _observe_output(self, output: RequestOutput) -> None:
         metrics = output.metrics
         num_new = sum(len(completion.delta_token_ids) for completion in output.outputs)
-        self.generation_tokens.labels(**labels).inc(num_new)
+        self.generation_tokens.inc(num_new)
         previous = self._last_token_time.get(output.request_id)
         if previous is None and metrics.first_token_time is not None:
-            self.prompt_tokens.labels(**labels).inc(len(output.prompt_token_ids))
-            self.ttft.labels(**labels).observe(max(metrics.first_token_time - metrics.arrival_time, 0.0))
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+            self.ttft.observe(max(metrics.first_token_time - metrics.arrival_time, 0.0))
             if metrics.first_token_steps is not None:
-                self.ttft_steps.labels(**labels).observe(metrics.first_token_steps)
+                self.ttft_steps.observe(metrics.first_token_steps)
             if metrics.first_scheduled_time is not None:
                 queued = metrics.first_scheduled_time - metrics.arrival_time
-                self.queue_time.labels(**labels).observe(max(queued, 0.0))
+                self.queue_time.observe(max(queued, 0.0))
         elif previous is not None and metrics.last_token_time is not None and num_new:
-            self.itl.labels(**labels).observe(max(metrics.last_token_time - previous, 0.0))
+            self.itl.observe(max(metrics.last_token_time - previous, 0.0))
         if metrics.last_token_time is not None:
             self._last_token_time[output.request_id] = metrics.last_token_time
         for completion in output.outputs:
             if completion.finish_reason == "timeout":
-                self.request_timeout.labels(**labels).inc()
+                self.request_timeout.inc()
             elif completion.finish_reason is not None:
-                reason = completion.finish_reason
-                self.request_success.labels(finished_reason=reason, **labels).inc()
+                child = self._request_success_by_reason.get(completion.finish_reason)
+                if child is None:
+                    child = self._request_success.labels(finished_reason=completion.finish_reason,
+                                                         model_name=self.model_name)
+                    self._request_success_by_reason[completion.finish_reason] = child
+                child.inc()
         if output.finished:
             self._last_token_time.pop(output.request_id, None)
             if metrics.finish_time is not None:
-                self.e2e.labels(**labels).observe(max(metrics.finish_time - metrics.arrival_time, 0.0))
+                self.e2e.observe(max(metrics.finish_time - metrics.arrival_time, 0.0))
 
     def on_abort(self, request_ids: list[str]) -> None:
-        self.request_abort.labels(**self._labels()).inc(len(request_ids))
+        self.request_abort.inc(len(request_ids))
         for request_id in request_ids:
             self._last_token_time.pop(request_id, None)
 
     def render(self, stats: CoreLoad, num_queued: int) -> bytes:
         """The exposition text, with the engine gauges set from `stats` first."""
-        labels = self._labels()
-        self.num_requests_running.labels(**labels).set(stats.num_running)
-        self.num_requests_waiting.labels(**labels).set(num_queued)
-        self.kv_cache_usage_perc.labels(**labels).set(stats.kv_usage)
-        self.kv_cache_cached_free_perc.labels(**labels).set(
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(num_queued)
+        self.kv_cache_usage_perc.set(stats.kv_usage)
+        self.kv_cache_cached_free_perc.set(
             stats.num_kv_blocks_cached_free / max(stats.num_kv_blocks_total, 1))
         delta = stats.num_preemptions_total - self._num_preemptions_seen
         if delta > 0:
-            self.num_preemptions.labels(**labels).inc(delta)
+            self.num_preemptions.inc(delta)
             self._num_preemptions_seen = stats.num_preemptions_total
         return generate_latest(self.registry)
