@@ -32,6 +32,7 @@ from backfill.outputs import RequestOutput
 from backfill.request import FinishReason
 from backfill.sampling_params import SamplingParams
 
+_TIMEOUT = FinishReason.TIMEOUT.value  # NOTE: an Enum's .value is a property: read it once
 logger = logging.getLogger(__name__)
 
 
@@ -287,7 +288,7 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:  # aborted since the step began
                 continue
-            if any(c.finish_reason == FinishReason.TIMEOUT.value for c in output.outputs):
+            if any(c.finish_reason == _TIMEOUT for c in output.outputs):
                 stream.put(RequestTimeoutError("the request did not finish before its deadline (request_timeout)"))
                 del self._streams[output.request_id]
                 core_ids = self._output_processor.abort(output.request_id)  # its other sequences, if live
