@@ -50,8 +50,9 @@ class BlockPool:
 
     Invariants: a block is in the free queue exactly once iff its `ref_cnt` is 0; a block has
     a `block_hash` iff the cache maps that hash to it. Blocks leave the free queue from the
-    head and return to the tail, so the least recently used free block is evicted first; a
-    free block that holds a cached prefix stays reusable (`touch`) until then.
+    head. A freed block that holds a cached prefix returns to the tail, so the least recently
+    used one is evicted first and stays reusable (`touch`) until then; a freed block with no
+    prefix returns to the head, so it is reused before any cached block is evicted.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -120,8 +121,9 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one holder from each block; a block whose last holder leaves becomes free (and,
-        if cached, the most recently used free block)."""
+        """Drop one holder from each block. A block whose last holder leaves becomes free: if it
+        holds a cached prefix, as the most recently used free block (evicted last); if not, at
+        the head of the queue, to be reused before any cached block is evicted."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             assert block.ref_cnt > 0, f"double free of block {block_id}"
@@ -130,6 +132,11 @@ class BlockPool:
                 self._free_block_ids[block_id] = None
                 if block.block_hash is not None:
                     self.num_cached_free_blocks += 1
+                else:
+                    # NOTE: a block with no hash (a partial last block, or any block with
+                    # caching off) holds nothing a later request can reuse: giving it out
+                    # first keeps every cached prefix one allocation longer.
+                    self._free_block_ids.move_to_end(block_id, last=False)
 
     def check_integrity(self) -> None:
         """Assert the free queue holds exactly the blocks with ref_cnt 0, and the cache maps

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backfill.core.block_pool import BlockPool, NoFreeBlocksError
+from backfill.core.block_pool import BlockPool, NoFreeBlocksError, hash_block_tokens
 
 
 def test_allocate_and_free_round_trip() -> None:
@@ -35,12 +35,28 @@ def test_allocate_too_many_raises_and_changes_nothing() -> None:
     assert pool.allocate(0) == []
 
 
-def test_freed_blocks_are_reused_last() -> None:
+def test_freed_cached_blocks_are_reused_last() -> None:
     pool = BlockPool(4)
     a = pool.allocate(2)
+    for i, block_id in enumerate(a):
+        assert pool.cache_block(block_id, hash_block_tokens(None, [i]))
     pool.free(a)
-    # The two never-used blocks come out before the two just freed.
+    # The two never-used blocks come out before the two cached ones just freed.
     assert pool.allocate(4) == [2, 3, *a]
+
+
+def test_freed_uncached_blocks_are_reused_before_any_cached_block_is_evicted() -> None:
+    pool = BlockPool(4)
+    cached, partial = pool.allocate(1), pool.allocate(1)  # [0], [1]; 2 and 3 never used
+    assert pool.cache_block(cached[0], hash_block_tokens(None, [7]))
+    pool.free(cached)
+    pool.free(partial)  # freed last, but it holds no prefix: it goes out first
+    assert pool.allocate(2) == [*partial, 2]
+    assert pool.num_cached_free_blocks == 1
+    assert pool.get_cached_block(hash_block_tokens(None, [7])) == cached[0]
+    pool.check_integrity()
+    assert pool.allocate(2) == [3, *cached] and pool.num_cached_free_blocks == 0
+    pool.check_integrity()
 
 
 def test_shared_block_is_free_only_after_last_holder() -> None:
