@@ -62,6 +62,8 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str, str | None]] = [
     ("logit-bias-underscore", "POST", C, completion(logit_bias={"1_0": 1}), AUTH, 400, INVALID, "logit_bias"),
     ("logit-bias-5000-digits", "POST", C, completion(logit_bias={"9" * 5000: 1}), AUTH, 400, INVALID, "logit_bias"),
     ("logit-bias-nan", "POST", C, b'{"prompt": "Hello", "max_tokens": 2, "logit_bias": {"5": NaN}}', AUTH, 400, INVALID, "logit_bias"),
+    ("temperature-nan", "POST", C, b'{"prompt": "Hello", "max_tokens": 2, "temperature": NaN}', AUTH, 400, INVALID, "temperature"),
+    ("top-p-infinity", "POST", CH, b'{"messages": [{"role": "user", "content": "Hi"}], "top_p": Infinity}', AUTH, 400, INVALID, "top_p"),
     ("seed-wrong-type", "POST", C, completion(seed="x"), AUTH, 400, INVALID, "seed"),
     ("user-wrong-type", "POST", C, completion(user=5), AUTH, 400, INVALID, "user"),
     ("top-k-range", "POST", C, completion(top_k=-5), AUTH, 400, INVALID, "top_k"),

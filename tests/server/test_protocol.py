@@ -15,6 +15,8 @@ from backfill.entrypoints.openai.token_text import TokenText
     (("messages", 0, "content", "list[TextPart]", 1, "type"), "messages[0].content[1].type"),
     (("stop", "function-after[_check_stop(), any]"), "stop"),
     (("response_format", "type"), "response_format.type"),
+    (("logit_bias", "5"), "logit_bias"),  # a key the client chose is not a field
+    (("logit_bias", "a.b", "float"), "logit_bias"),
     ((), None),
 ])
 def test_loc_to_param_drops_union_tags(loc: tuple[object, ...], param: str | None) -> None:
@@ -30,6 +32,21 @@ def test_parsing_is_strict_but_ignores_harmless_unknown_fields() -> None:
             parse_request(CompletionRequest, body)
         assert error.value.status_code == 400 and error.value.param == param
 
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p",
+                                   "repetition_penalty"])
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity"])
+def test_non_finite_numbers_are_refused_as_such(field: str, value: bytes) -> None:
+    # JSON has no NaN, but the parser reads the common spelling of it; the error must say what
+    # is wrong with the number (it said "less than or equal to 2" for a NaN temperature).
+    body = b'{"prompt": "a", "' + field.encode() + b'": ' + value + b"}"
+    for model in (CompletionRequest, ChatCompletionRequest):
+        with pytest.raises(APIError) as error:
+            parse_request(model, body.replace(b'"prompt": "a"', b'"messages": [{"role": "user", "content": "x"}]')
+                          if model is ChatCompletionRequest else body)
+        assert error.value.status_code == 400 and error.value.param == field
+        assert "finite" in error.value.message
 
 def test_chat_request_checks() -> None:
     request = parse_request(ChatCompletionRequest, b'{"messages": [{"role": "developer", "content": '

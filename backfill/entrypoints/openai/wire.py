@@ -43,7 +43,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # NOTE: allow_inf_nan=False: JSON bodies may spell NaN and Infinity (pydantic reads them), and a
+    # non-finite number must be refused as such, not as "greater than 2".
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class ResponseModel(BaseModel):
@@ -89,6 +91,9 @@ def validation_error_to_api_error(errors: Any) -> APIError:
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+# Fields whose keys the client chooses: an error in one of their values names the field, not
+# the key (OpenAI's `param` for a bad logit_bias entry is "logit_bias").
+_KEYED_FIELDS = {"logit_bias"}
 
 
 def loc_to_param(loc: Any) -> str | None:
@@ -102,6 +107,8 @@ def loc_to_param(loc: Any) -> str | None:
     if items and items[0] == "body":
         items = items[1:]
     for item in items:
+        if parts and parts[-1] in _KEYED_FIELDS:
+            break
         if isinstance(item, int):
             if parts:
                 parts[-1] += f"[{item}]"
