@@ -33,6 +33,11 @@ _CLI_FIELDS = "engine_config_fields"
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 
 
+class ConfigError(ValueError):
+    """Options that cannot work together, found once the model is known (at load): reported
+    as one line, without a traceback, like a bad flag."""
+
+
 def default_num_kv_blocks(max_num_seqs: int, max_model_len: int, block_size: int, kv_bytes_per_token: int) -> int:
     """The KV blocks an engine allocates without `num_kv_blocks` (the planner sizes its
     simulated pool the same way)."""

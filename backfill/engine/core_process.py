@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
-from backfill.config import EngineConfig
+from backfill.config import ConfigError, EngineConfig
 from backfill.core.outputs import StepStats
 from backfill.engine.messages import (CoreFailed, CoreInfo, CoreInputs, CoreLoad, CoreMessage, CoreOutputs,
                                       EngineCoreOutput, EngineCoreRequest)
@@ -109,7 +109,10 @@ def run_core_process(factory: Callable[[], CoreLike], input_address: str, output
         outputs.send(encoder.encode(core.info))
         _serve(core, inputs, outputs, encoder, parent_pid)
     except BaseException as error:  # noqa: BLE001 - reported to the front end, then exit 1
-        logger.exception("engine core failed")
+        if isinstance(error, ConfigError):
+            logger.error("engine core failed: %s", error)
+        else:
+            logger.exception("engine core failed")
         outputs.send(encoder.encode(CoreFailed(f"{type(error).__name__}: {error}")))
         status = 1
     finally:

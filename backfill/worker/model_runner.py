@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from backfill.config import EngineConfig, default_num_kv_blocks
+from backfill.config import ConfigError, EngineConfig, default_num_kv_blocks
 from backfill.core.outputs import ModelRunnerOutput, SchedulerOutput
 from backfill import kernels
 from backfill.model.cpu_decoder import CpuDecoder, unsupported_reason
@@ -58,6 +58,7 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.block_size = config.block_size
         self.num_kv_blocks = config.num_kv_blocks or self._default_num_kv_blocks()
+        self.max_model_len = self._fit_max_model_len()
         # One block more than the scheduler knows: the scratch block of padding rows.
         self.scratch_block = self.num_kv_blocks
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks + 1)
@@ -98,10 +99,10 @@ class ModelRunner:
                             decoder.weight_bytes_per_step / 1e6)
                 return decoder
             if config.quantization != "auto":
-                raise ValueError(f"quantization={config.quantization!r} needs the CPU kernels: {reason}")
+                raise ConfigError(f"quantization={config.quantization!r} needs the CPU kernels: {reason}")
             logger.warning("%s: running the plain-PyTorch model with expanded weights", reason)
         elif config.quantization not in ("auto", "none"):
-            raise ValueError(f"quantization={config.quantization!r} runs on the CPU kernels only "
+            raise ConfigError(f"quantization={config.quantization!r} runs on the CPU kernels only "
                              f"(device {config.device}, dtype {config.dtype}); use 'auto' or 'none'")
         dtype = resolve_dtype(config.dtype, self.device)
         model = load_model(config.model, dtype, self.device)
@@ -126,6 +127,18 @@ class ModelRunner:
         cfg = self.model_config
         element_size = torch.empty((), dtype=self.dtype).element_size()
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_size
+
+    def _fit_max_model_len(self) -> int:
+        """The context length the KV pool can hold. A sequence longer than the whole pool would
+        wait forever, so the server must refuse it as too long (a 400), not take it. A length
+        the pool cannot hold (a small `--num-kv-blocks`, or the default pool's byte cap on a
+        long-context model) is lowered to what it holds, with a warning."""
+        capacity = self.num_kv_blocks * self.block_size
+        if self.max_model_len > capacity:
+            logger.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no more (%d blocks "
+                           "of %d; --num-kv-blocks raises it)", self.max_model_len, capacity,
+                           self.num_kv_blocks, self.block_size)
+        return min(self.max_model_len, capacity)
 
     def _default_num_kv_blocks(self) -> int:
         return default_num_kv_blocks(self.config.max_num_seqs, self.max_model_len, self.block_size,
