@@ -76,8 +76,9 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._request_success = Counter(PREFIX + "request_success", "Finished sequences, by finish reason.",
                                         [*labels, "finished_reason"], registry=self.registry)
-        self._request_success_by_reason = {reason: self._request_success.labels(finished_reason=reason, **labels)
-                                           for reason in ("stop", "length")}
+        self._request_success_by_reason: dict[str, Counter] = {}
+        for reason in ("stop", "length"):
+            self._request_success_child(reason)
         self.request_abort = counter("request_abort", "Requests aborted (client gone or shutdown).")
         self.request_timeout = counter("request_timeout", "Sequences ended by their deadline (HTTP 408).")
         self.engine_steps = counter("engine_steps", "Engine steps run.")
@@ -131,16 +132,19 @@ class ServerMetrics:
             if completion.finish_reason == "timeout":
                 self.request_timeout.inc()
             elif completion.finish_reason is not None:
-                child = self._request_success_by_reason.get(completion.finish_reason)
-                if child is None:
-                    child = self._request_success.labels(finished_reason=completion.finish_reason,
-                                                         model_name=self.model_name)
-                    self._request_success_by_reason[completion.finish_reason] = child
-                child.inc()
+                self._request_success_child(completion.finish_reason).inc()
         if output.finished:
             self._last_token_time.pop(output.request_id, None)
             if metrics.finish_time is not None:
                 self.e2e.observe(max(metrics.finish_time - metrics.arrival_time, 0.0))
+
+    def _request_success_child(self, reason: str) -> Counter:
+        """request_success's series for `reason`, bound on first use."""
+        child = self._request_success_by_reason.get(reason)
+        if child is None:
+            child = self._request_success.labels(finished_reason=reason, model_name=self.model_name)
+            self._request_success_by_reason[reason] = child
+        return child
 
     def on_abort(self, request_ids: list[str]) -> None:
         self.request_abort.inc(len(request_ids))
