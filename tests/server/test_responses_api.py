@@ -1,5 +1,5 @@
 """POST /v1/responses with the official `openai` client: whole and streamed, instructions,
-max_output_tokens, output constraints, and the fields it refuses."""
+max_output_tokens, output constraints, function tools, and the fields it refuses."""
 
 from __future__ import annotations
 
@@ -12,9 +12,21 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from backfill.entrypoints.openai.responses import ResponsesRequest
+from backfill.entrypoints.openai.responses_serving import OutputItems
+from backfill.entrypoints.openai.tool_calls import plan_tools
 from tests.server.harness import API_KEY, MODEL, ServerProcess, engine_idle, wait_until
 
 QUESTION = "What is the capital of France?"
+WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
+           "strict": True, "parameters": {
+               "type": "object", "additionalProperties": False, "required": ["city"],
+               "properties": {"city": {"type": "string", "maxLength": 16}}}}
+TIME = {"type": "function", "name": "get_time", "description": "Get the current time in a timezone", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["timezone"],
+    "properties": {"timezone": {"type": "string", "maxLength": 16}}}}
+TOOLS = [WEATHER, TIME]
+ASK_WEATHER = "What is the weather in Paris?"
 STREAM_ORDER = ["response.created", "response.in_progress", "response.output_item.added",
                 "response.content_part.added", "response.output_text.delta", "response.output_text.done",
                 "response.content_part.done", "response.output_item.done"]
@@ -125,7 +137,15 @@ def test_text_format_json_schema(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "name": "no spaces"}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, "tools[0].parameters"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0]"),
+    ({"input": [{"type": "function_call", "call_id": "call_1", "name": "f"}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call_output", "call_id": "", "output": "1"}]}, "input[0].call_id"),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),
     ({"background": True}, "background"),
@@ -144,3 +164,141 @@ def test_bad_fields_are_refused(client: openai.OpenAI, fields: dict[str, Any], p
     with pytest.raises(openai.BadRequestError) as error:
         client.responses.create(**body)
     assert error.value.param == param, error.value.body
+
+
+# ---- function tools ----------------------------------------------------------------------------
+
+
+def calls_of(response: Response) -> list[tuple[str, dict[str, Any]]]:
+    """(name, arguments) of every function_call item; each is checked against its tool's schema."""
+    calls = []
+    for item in response.output:
+        if item.type != "function_call":
+            continue
+        assert item.call_id.startswith("call_") and item.id and item.id.startswith("fc_")
+        assert item.status == "completed"
+        schema = next(tool["parameters"] for tool in TOOLS if tool["name"] == item.name)
+        arguments = json.loads(item.arguments)
+        assert set(schema["required"]) <= set(arguments) <= set(schema["properties"])
+        assert all(isinstance(value, str) and len(value) <= 16 for value in arguments.values())
+        calls.append((item.name, arguments))
+    return calls
+
+
+@pytest.mark.parametrize("tool_choice, names", [
+    ("required", {"get_weather", "get_time"}),
+    ({"type": "function", "name": "get_time"}, {"get_time"}),
+])
+def test_a_forced_call_is_a_function_call_item(client: openai.OpenAI, tool_choice: Any, names: set[str]) -> None:
+    response = client.responses.create(model=MODEL, input=ASK_WEATHER, tools=TOOLS, tool_choice=tool_choice,
+                                       max_output_tokens=48, temperature=0)
+    assert response.status == "completed" and response.output_text == ""
+    calls = calls_of(response)
+    assert calls and {name for name, _ in calls} <= names
+    assert [tool.name for tool in response.tools] == ["get_weather", "get_time"]  # type: ignore[union-attr]
+    assert response.tool_choice == tool_choice or response.tool_choice.model_dump() == tool_choice  # type: ignore
+
+
+def test_no_parallel_tool_calls_gives_one_call(client: openai.OpenAI) -> None:
+    response = client.responses.create(model=MODEL, input=ASK_WEATHER, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, max_output_tokens=48, temperature=0.8)
+    assert len(calls_of(response)) == 1 and response.parallel_tool_calls is False
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_a_streamed_call_assembles_to_the_whole_answer(client: openai.OpenAI, tool_choice: Any) -> None:
+    fields: dict[str, Any] = dict(model=MODEL, input=ASK_WEATHER, tools=TOOLS, tool_choice=tool_choice,
+                                  max_output_tokens=48, temperature=0)
+    whole = client.responses.create(**fields)
+    with client.responses.stream(**fields) as stream:  # the SDK's helper checks the events' flow
+        events = list(stream)
+        streamed = stream.get_final_response()
+    assert calls_of(streamed) == calls_of(whole) and calls_of(whole)
+    kinds = [event.type for event in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(event.delta for event in events if event.type == "response.function_call_arguments.delta")
+    assert deltas == streamed.output[-1].arguments  # type: ignore[union-attr]
+
+
+def test_auto_answers_the_same_whole_and_streamed(client: openai.OpenAI) -> None:
+    fields: dict[str, Any] = dict(model=MODEL, input=ASK_WEATHER, tools=TOOLS, max_output_tokens=48, temperature=0)
+    whole = client.responses.create(**fields)
+    events = list(client.responses.create(stream=True, **fields))
+    streamed = events[-1].response  # type: ignore[union-attr]  (completed or incomplete)
+    assert whole.tool_choice == "auto" and streamed.status == whole.status
+    for response in (whole, streamed):
+        assert response.output_text or calls_of(response)
+    assert streamed.output_text == whole.output_text and calls_of(streamed) == calls_of(whole)
+
+
+def test_a_call_and_its_output_sent_back_are_the_chat_conversation(client: openai.OpenAI) -> None:
+    """The model's own output items, sent back with a function_call_output, render exactly as
+    the chat completion with that assistant tool call and tool result."""
+    first = client.responses.create(model=MODEL, input=ASK_WEATHER, tools=TOOLS, tool_choice="required",
+                                    parallel_tool_calls=False, max_output_tokens=48, temperature=0)
+    call = first.output[0]
+    assert call.type == "function_call"
+    items: Any = [{"role": "user", "content": ASK_WEATHER}, *first.output,
+                  {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}]
+    second = client.responses.create(model=MODEL, input=items, tools=TOOLS, max_output_tokens=8, temperature=0)
+    assert second.status in ("completed", "incomplete") and second.output
+    chat_tools: Any = [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+                       for tool in TOOLS]
+    messages: Any = [
+        {"role": "user", "content": ASK_WEATHER},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees and sunny"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, tools=chat_tools, max_tokens=1)
+    assert second.usage is not None and chat.usage is not None
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_raw_tool_call_json_validates_against_the_sdk_models(server: ServerProcess) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "input": ASK_WEATHER, "tools": TOOLS, "tool_choice": "required", "max_output_tokens": 48}
+    whole = Response.model_validate(httpx.post(server.v1 + "/responses", json=body, headers=headers,
+                                               timeout=60).json())
+    assert whole.output and whole.output[0].type == "function_call"
+    with httpx.stream("POST", server.v1 + "/responses", json={**body, "stream": True}, timeout=60,
+                      headers=headers) as response:
+        lines = [line for line in response.iter_lines() if line]
+    for data_line in lines[1::2]:
+        TypeAdapter(ResponseStreamEvent).validate_python(json.loads(data_line.removeprefix("data: ")))
+
+
+@pytest.mark.parametrize("chunks", [
+    ["Let me check. <tool", "_call>\n{\"name\": \"get_time\", ", "\"arguments\": {\"timezone\": \"UTC\"}}\n</tool_call>"],
+    ["<tool_call>{\"name\": \"get_time\", \"arguments\": {\"timezone\": \"UTC\"}}</tool_call>"],
+])
+def test_text_then_a_call_streams_as_a_message_then_a_function_call(chunks: list[str]) -> None:
+    """No model here: an "auto" answer of text and a Hermes call (whatever the model would say),
+    through the chat path's ToolCallStream into output items, each event as the SDK validates it."""
+    chat = ResponsesRequest.model_validate({"input": "x", "tools": TOOLS}).to_chat()
+    plan = plan_tools(chat)
+    assert plan is not None and plan.mode == "auto"
+    events: list[Any] = []
+
+    def event(kind: str, **fields: Any) -> str:
+        events.append(TypeAdapter(ResponseStreamEvent).validate_python(
+            {"type": kind, "sequence_number": len(events), **fields}))
+        return kind
+
+    items, stream = OutputItems(event), plan.stream()
+    for index, chunk in enumerate(chunks):
+        for delta in stream.feed(chunk, "stop" if index == len(chunks) - 1 else None):
+            items.feed(delta)
+    items.close("completed")
+    assert stream.finish_reason == "tool_calls"
+    text = chunks[0].split("<tool")[0]
+    output = [item.model_dump(mode="json") for item in items.items]
+    assert [item["type"] for item in output] == (["message"] if text else []) + ["function_call"]
+    assert output[-1]["name"] == "get_time" and json.loads(output[-1]["arguments"]) == {"timezone": "UTC"}
+    assert all(item["status"] == "completed" for item in output)
+    if text:
+        assert output[0]["content"][0]["text"] == text
+    kinds = [e.type for e in events]
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == len(output)
+    assert kinds[-2:] == ["response.function_call_arguments.done", "response.output_item.done"]

@@ -45,7 +45,8 @@ from backfill.entrypoints.openai.http_extras import RequestIdMiddleware, add_req
 from backfill.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from backfill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from backfill.entrypoints.openai.wire import MAX_BODY_BYTES, APIError, parse_request, validation_error_to_api_error
-from backfill.entrypoints.openai.responses import ResponsesRequest, ResponsesServing
+from backfill.entrypoints.openai.responses import ResponsesRequest
+from backfill.entrypoints.openai.responses_serving import ResponsesServing
 from backfill.entrypoints.openai.serving import (DEFAULT_MAX_SEQS_PER_REQUEST, RETRY_AFTER_S, OpenAIServing,
                                                  SSEStream)
 from backfill.entrypoints.openai.tokenization import DetokenizeRequest, TokenizationServing, TokenizeRequest

@@ -1,51 +1,53 @@
-"""POST /v1/responses: OpenAI's Responses API, text in and text out, over the chat path.
+"""POST /v1/responses: OpenAI's Responses API, text and function calls, over the chat path.
 
 A request becomes a chat completion (`instructions` a system message first, `input` the
-conversation, `text.format` the output constraint), so it is rendered, checked and scheduled
-exactly as one. Nothing is stored: `previous_response_id`, `conversation` and `background`
-are refused, as are tools, reasoning and the other fields that would change the result.
+conversation, `text.format` the output constraint, `tools` / `tool_choice` /
+`parallel_tool_calls` the chat path's function tools), so it is rendered, checked, scheduled
+and its calls parsed exactly as one (`tool_calls.py`). Input items are messages,
+`function_call` items (the model's earlier calls, sent back) and `function_call_output` items
+(their results): consecutive calls become one assistant turn with `tool_calls`, each result a
+`tool` turn. Output items are a `message` (the text, when there is any) then one
+`function_call` item per call. Nothing is stored: `previous_response_id`, `conversation` and
+`background` are refused, as are built-in tools (web search, files, ...), reasoning and the
+other fields that would change the result.
 
 Streaming sends OpenAI's events in OpenAI's order, each as `event: <type>` and `data: <json>`
-with a rising `sequence_number`: response.created, response.in_progress,
-response.output_item.added, response.content_part.added, response.output_text.delta (one per
-step that adds text), response.output_text.done, response.content_part.done,
-response.output_item.done, then response.completed (or response.incomplete when
-max_output_tokens cut the text). An engine failure mid-stream ends it with an `error` event.
+with a rising `sequence_number`: response.created, response.in_progress, then per output item
+response.output_item.added, its content (a message: response.content_part.added,
+response.output_text.delta per step that adds text, response.output_text.done,
+response.content_part.done; a call: response.function_call_arguments.delta,
+response.function_call_arguments.done) and response.output_item.done; then response.completed
+(or response.incomplete when max_output_tokens cut the output). In "auto", text that may be a
+call is held back until it is known not to be one, as on the chat path. An engine failure
+mid-stream ends it with an `error` event.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import time
-import uuid
-from collections.abc import AsyncGenerator, Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
-from backfill.engine.async_engine import EngineError, RequestStream
 from backfill.entrypoints.openai.protocol import (
-    ChatCompletionRequest, ChatMessage, JSONSchemaFormat, ResponseFormat, UsageInfo, refused_fields)
-from backfill.entrypoints.openai.wire import APIError, ResponseModel, StrictModel
-from backfill.entrypoints.openai.serving import OpenAIServing, SSEStream, engine_error
+    ChatCompletionRequest, ChatMessage, ChatTool, FunctionCall, FunctionDefinition, JSONSchemaFormat, ResponseFormat,
+    ToolCall, UsageInfo, refused_fields)
+from backfill.entrypoints.openai.wire import ResponseModel, StrictModel
 
 # Responses API fields that would change the result and that this server does not honour.
 UNSUPPORTED_RESPONSE_FIELDS = {
-    "tools": "tools are not supported by this server",
     "previous_response_id": "this server stores no responses: send the whole conversation as input",
     "conversation": "this server stores no conversations: send the whole conversation as input",
     "background": "background responses are not supported by this server",
     "reasoning": "this model does not reason: reasoning is not supported",
     "include": "no extra output data can be included by this server",
     "prompt": "stored prompt templates are not supported by this server",
-    "max_tool_calls": "tools are not supported by this server",
     "top_logprobs": "logprobs are not supported on /v1/responses by this server",
     "context_management": "context management is not supported by this server",
 }
 # Where the chat path's error params point in a Responses request.
-_PARAM_RENAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+PARAM_RENAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
                   "response_format.json_schema.schema": "text.format.schema"}
+_TOOL_CHOICES = ("none", "auto", "required")
 
 
 # ---- requests ------------------------------------------------------------------------------
@@ -60,6 +62,68 @@ class InputMessage(StrictModel):
     type: Literal["message"] | None = None
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[InputText]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(StrictModel):
+    """A call the model made in an earlier response, sent back (`id` and `status` are ignored)."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(StrictModel):
+    """The result of the call `call_id`."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[InputText]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+def _input_item_kind(value: Any) -> str | None:
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None) or "message"
+    return {"message": "InputMessage", "function_call": "FunctionCallItem",
+            "function_call_output": "FunctionCallOutputItem"}.get(kind)
+
+
+# NOTE: the tags are the models' names, which `wire.loc_to_param` leaves out of an error's param.
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("InputMessage")] | Annotated[FunctionCallItem, Tag("FunctionCallItem")]
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")],
+    Discriminator(_input_item_kind, custom_error_type="input_item_type", custom_error_message=(
+        "must be a message, a function_call or a function_call_output item: this server has no other input items"))]
+
+
+class FunctionTool(FunctionDefinition):
+    """A function tool, flat as the Responses API declares it (`strict`: accepted, see tool_calls.py)."""
+
+    type: Literal["function"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _function_only(cls, value: Any) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else "function"
+        if kind is None:
+            raise ValueError('"type" is required: "function" (this server has only function tools)')
+        if kind != "function":  # before the fields: a web_search tool has no `name` to complain of
+            raise ValueError(f"only function tools are supported by this server, not {kind!r}")
+        return value
+
+    def to_chat(self) -> ChatTool:
+        return ChatTool(type="function", function=FunctionDefinition(
+            name=self.name, description=self.description, parameters=self.parameters, strict=self.strict))
+
+
+class FunctionChoice(StrictModel):
+    type: Literal["function"]
+    name: str
 
 
 class TextFormat(StrictModel):
@@ -77,25 +141,40 @@ class TextConfig(StrictModel):
 
 class ResponsesRequest(refused_fields("UnsupportedResponseFields", UNSUPPORTED_RESPONSE_FIELDS)):
     model: str | None = None
-    input: str | list[InputMessage]
+    input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stream: bool | None = None
     text: TextConfig | None = None
-    tool_choice: Literal["none", "auto"] | None = None  # with no tools, both mean "answer in text"
-    parallel_tool_calls: bool | None = None  # no tools: nothing to call in parallel
+    tools: list[FunctionTool] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | FunctionChoice, by _check_tool_choice
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=1)  # bounds built-in tools' calls: there are none here
     truncation: Literal["disabled"] | None = None  # "auto" would drop input: refused
     # Accepted, and changing nothing: store (nothing is stored), metadata, user, service_tier, ...
     metadata: dict[str, str] | None = None
 
     @field_validator("input")
     @classmethod
-    def _check_input(cls, value: str | list[InputMessage]) -> str | list[InputMessage]:
+    def _check_input(cls, value: str | list[InputItem]) -> str | list[InputItem]:
         if not value:
             raise ValueError("must not be empty")
         return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(cls, value: Any) -> str | FunctionChoice | None:
+        if value is None or value in _TOOL_CHOICES:
+            return value  # type: ignore[no-any-return]
+        if isinstance(value, dict):
+            try:
+                return FunctionChoice.model_validate(value)
+            except ValidationError:
+                pass
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", "name": ...}: '
+                         "this server has only function tools")
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat completion this request asks for."""
@@ -104,19 +183,41 @@ class ResponsesRequest(refused_fields("UnsupportedResponseFields", UNSUPPORTED_R
             messages.append(ChatMessage(role="user", content=self.input))
         else:
             for item in self.input:
-                content = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
-                messages.append(ChatMessage(role=item.role, content=content))
+                if isinstance(item, InputMessage):
+                    messages.append(ChatMessage(role=item.role, content=item.text()))
+                elif isinstance(item, FunctionCallOutputItem):
+                    messages.append(ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id))
+                else:  # the calls of one turn (and the text before them) are one assistant message
+                    call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+                    last = messages[-1] if messages else None
+                    if last is not None and last.role == "assistant":
+                        last.tool_calls = [*(last.tool_calls or []), call]
+                    else:
+                        messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
         response_format = None
         if self.text is not None and self.text.format is not None:
             fmt = self.text.format
             schema = None if fmt.type != "json_schema" else JSONSchemaFormat(name=fmt.name, schema=fmt.json_schema)
             response_format = ResponseFormat(type=fmt.type, json_schema=schema)
+        choice = self.tool_choice
+        if isinstance(choice, FunctionChoice):
+            choice = {"type": "function", "function": {"name": choice.name}}
         return ChatCompletionRequest(model=self.model, messages=messages, max_tokens=self.max_output_tokens,
                                      temperature=self.temperature, top_p=self.top_p, stream=self.stream,
-                                     response_format=response_format)
+                                     response_format=response_format, tool_choice=choice,
+                                     tools=[tool.to_chat() for tool in self.tools] if self.tools else None,
+                                     parallel_tool_calls=self.parallel_tool_calls)
+
+    def echo_tool_choice(self) -> str | dict[str, Any]:
+        """`tool_choice` as the response object reports it (OpenAI's default: "auto")."""
+        if isinstance(self.tool_choice, FunctionChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice or "auto"
 
 
 # ---- responses -----------------------------------------------------------------------------
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
 class OutputText(ResponseModel):
@@ -129,9 +230,18 @@ class OutputText(ResponseModel):
 class OutputMessage(ResponseModel):
     type: Literal["message"] = "message"
     id: str
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: ItemStatus
     role: Literal["assistant"] = "assistant"
     content: list[OutputText]
+
+
+class OutputFunctionCall(ResponseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str  # what the call's function_call_output names
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+    status: ItemStatus
 
 
 class InputTokensDetails(ResponseModel):
@@ -166,111 +276,18 @@ class ResponseObject(ResponseModel):
     incomplete_details: dict[str, str] | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
     model: str
-    output: list[OutputMessage] = Field(default_factory=list)
-    parallel_tool_calls: bool = False
+    output: list[OutputMessage | OutputFunctionCall] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
     previous_response_id: None = None
     reasoning: None = None
     store: bool = False
     temperature: float | None = None
     top_p: float | None = None
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
-    tool_choice: str = "none"
-    tools: list[Any] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
     truncation: str = "disabled"
     usage: ResponseUsage | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
-
-
-# ---- serving -------------------------------------------------------------------------------
-
-
-def rename_error(error: APIError) -> APIError:
-    """An error of the chat path, naming the Responses request's field instead."""
-    if error.param is None:
-        return error
-    key = error.param if error.param in _PARAM_RENAMES else re.split(r"[.\[]", error.param)[0]
-    if key not in _PARAM_RENAMES:
-        return error
-    param = _PARAM_RENAMES[key] + error.param[len(key):]
-    message = error.message.replace(error.param, param, 1)
-    return APIError(error.status_code, message, error.type, param, error.code, error.headers)
-
-
-class ResponsesServing:
-    """POST /v1/responses over OpenAIServing's chat path. Runs on the event loop only."""
-
-    def __init__(self, serving: OpenAIServing) -> None:
-        self.serving = serving
-
-    async def create_response(self, request: ResponsesRequest) -> ResponseObject | SSEStream:
-        response_id = f"resp_{uuid.uuid4().hex}"
-        try:
-            prompts, params, streams = await self.serving.start_chat(request.to_chat(), response_id)
-        except APIError as error:
-            raise rename_error(error) from None
-        text_format = request.text.format.model_dump(by_alias=True, exclude_none=True) \
-            if request.text is not None and request.text.format is not None else {"type": "text"}
-        base = ResponseObject(id=response_id, created_at=int(time.time()), status="in_progress",
-                              instructions=request.instructions, max_output_tokens=request.max_output_tokens,
-                              model=self.serving.served_model_name, temperature=params.temperature,
-                              top_p=params.top_p, text={"format": text_format}, metadata=request.metadata or {})
-        message_id = f"msg_{uuid.uuid4().hex}"
-
-        def finish(text: str, finish_reason: str | None, num_tokens: int) -> ResponseObject:
-            incomplete = finish_reason == "length"
-            status: Literal["completed", "incomplete"] = "incomplete" if incomplete else "completed"
-            message = OutputMessage(id=message_id, status=status, content=[OutputText(text=text)])
-            usage = ResponseUsage.of(self.serving.usage(prompts, num_tokens, streams))
-            return base.model_copy(update={
-                "status": status, "output": [message], "usage": usage,
-                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None})
-
-        if request.stream:
-            return SSEStream(self._stream(base, message_id, streams, finish), streams)
-        finals, _ = await self.serving.collect(streams)
-        completion = finals[(0, 0)]
-        return finish(completion.text, completion.finish_reason, len(completion.token_ids))
-
-    @staticmethod
-    async def _stream(base: ResponseObject, message_id: str, streams: list[RequestStream],
-                      finish: Callable[[str, str | None, int], ResponseObject]) -> AsyncGenerator[str, None]:
-        sequence_number = 0
-
-        def event(kind: str, **fields: Any) -> str:
-            nonlocal sequence_number
-            payload = {"type": kind, "sequence_number": sequence_number, **fields}
-            sequence_number += 1
-            return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
-
-        def response(value: ResponseObject) -> dict[str, Any]:
-            return value.model_dump(mode="json")
-
-        where = {"item_id": message_id, "output_index": 0, "content_index": 0}
-        deltas: list[str] = []
-        finish_reason, num_tokens = None, 0
-        try:
-            yield event("response.created", response=response(base))
-            yield event("response.in_progress", response=response(base))
-            item = OutputMessage(id=message_id, status="in_progress", content=[])
-            yield event("response.output_item.added", output_index=0, item=item.model_dump(mode="json"))
-            yield event("response.content_part.added", **where, part=OutputText(text="").model_dump(mode="json"))
-            async for output in streams[0]:
-                completion = output.outputs[0]
-                num_tokens, finish_reason = len(completion.token_ids), completion.finish_reason
-                if completion.delta_text:
-                    deltas.append(completion.delta_text)
-                    yield event("response.output_text.delta", **where, delta=completion.delta_text, logprobs=[])
-            text = "".join(deltas)
-            final = finish(text, finish_reason, num_tokens)
-            part = final.output[0].content[0].model_dump(mode="json")
-            yield event("response.output_text.done", **where, text=text, logprobs=[])
-            yield event("response.content_part.done", **where, part=part)
-            yield event("response.output_item.done", output_index=0, item=final.output[0].model_dump(mode="json"))
-            yield event(f"response.{final.status}", response=response(final))
-        except EngineError as error:
-            body = engine_error(error).to_dict()["error"]
-            yield event("error", code=body["code"], message=body["message"], param=body["param"])
-        finally:
-            for stream in streams:
-                stream.close()

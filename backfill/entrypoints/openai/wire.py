@@ -99,8 +99,9 @@ _KEYED_FIELDS = {"logit_bias"}
 def loc_to_param(loc: Any) -> str | None:
     """('messages', 0, 'content', 'list[TextPart]', 1, 'type') -> 'messages[0].content[1].type'.
 
-    Pydantic puts union-member tags (`str`, `list[str]`, `function-after[...]`) into error
-    locations; they are not fields, so they are dropped. FastAPI's leading 'body' is dropped too.
+    Pydantic puts union-member tags (`str`, `list[str]`, `function-after[...]`, a tagged union's
+    model names such as `InputMessage`) into error locations; they are not fields, so they are
+    dropped. FastAPI's leading 'body' is dropped too.
     """
     parts: list[str] = []
     items = list(loc)
@@ -112,6 +113,6 @@ def loc_to_param(loc: Any) -> str | None:
         if isinstance(item, int):
             if parts:
                 parts[-1] += f"[{item}]"
-        elif isinstance(item, str) and ("[" not in item and item not in _TYPE_TAGS):
+        elif isinstance(item, str) and ("[" not in item and item not in _TYPE_TAGS and not item[:1].isupper()):
             parts.append(item)
     return ".".join(parts) or None
