@@ -302,3 +302,34 @@ def test_text_then_a_call_streams_as_a_message_then_a_function_call(chunks: list
     kinds = [e.type for e in events]
     assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == len(output)
     assert kinds[-2:] == ["response.function_call_arguments.done", "response.output_item.done"]
+
+
+def test_langchain_on_the_responses_api_calls_and_sends_back_a_tool(server: ServerProcess) -> None:
+    """LangChain's ChatOpenAI with `use_responses_api`: a tool from a Python function (its schema
+    says nothing of other keys, and the forced call still holds only `city`), whole and
+    streamed, then the call and its ToolMessage sent back."""
+    import langchain_openai
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        return "18 degrees and sunny"
+
+    chat = langchain_openai.ChatOpenAI(model=MODEL, base_url=server.v1, api_key=API_KEY, temperature=0,
+                                       max_tokens=64, max_retries=0, timeout=120, use_responses_api=True)
+    model = chat.bind_tools([get_weather], tool_choice="get_weather")
+    whole = model.invoke(ASK_WEATHER)
+    chunks = list(model.stream(ASK_WEATHER))
+    streamed = chunks[0]
+    for chunk in chunks[1:]:
+        streamed += chunk
+    for message in (whole, streamed):
+        assert [call["name"] for call in message.tool_calls] == ["get_weather"]  # type: ignore[attr-defined]
+        assert list(message.tool_calls[0]["args"]) == ["city"]  # type: ignore[attr-defined]
+    assert streamed.tool_calls[0]["args"] == whole.tool_calls[0]["args"]  # type: ignore[attr-defined]
+    call = whole.tool_calls[0]  # type: ignore[attr-defined]
+    history = [HumanMessage(ASK_WEATHER), whole, ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])]
+    answer = chat.bind_tools([get_weather]).invoke(history)
+    assert answer.response_metadata["status"] in ("completed", "incomplete") and answer.content

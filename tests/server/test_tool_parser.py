@@ -10,7 +10,7 @@ import pytest
 
 from backfill.entrypoints.openai.protocol import ChatCompletionRequest
 from backfill.entrypoints.openai.wire import APIError, parse_request
-from backfill.entrypoints.openai.tool_calls import ToolPlan, parse_auto, plan_tools, prompt_messages
+from backfill.entrypoints.openai.tool_calls import ToolPlan, closed_objects, parse_auto, plan_tools, prompt_messages
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -99,15 +99,45 @@ def test_protocol_refuses_malformed_tool_fields(body: dict[str, Any], param: str
 
 def test_forced_constraints() -> None:
     named = plan(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert named.structured_outputs().json == SCHEMAS["get_weather"]  # type: ignore[union-attr]
+    assert named.structured_outputs().json == closed_objects(SCHEMAS["get_weather"])  # type: ignore[union-attr]
     required = plan(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
     schema = required.structured_outputs().json  # type: ignore[union-attr]
     assert schema["type"] == "array" and schema["minItems"] == schema["maxItems"] == 1
     items = schema["items"]["anyOf"]
     assert [item["properties"]["name"] for item in items] == [{"const": "get_weather"}, {"const": "get_time"}]
-    assert items[0]["properties"]["parameters"] == SCHEMAS["get_weather"]
+    assert items[0]["properties"]["parameters"] == closed_objects(SCHEMAS["get_weather"])
     assert "maxItems" not in plan(tools=[WEATHER], tool_choice="required").structured_outputs().json  # type: ignore
     assert plan(tools=[WEATHER]).structured_outputs() is None
+
+
+def test_a_forced_call_holds_only_the_declared_parameters() -> None:
+    """Objects that list properties and say nothing of other keys are closed, nested ones too;
+    objects that say something, `allOf` branches, `$defs` and values (`enum`, `default`) are not."""
+    address = {"type": "object", "properties": {"street": {"type": "string"}}}
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "default": {"properties": {"x": {}}}},
+        "address": address,
+        "places": {"type": "array", "items": address},
+        "either": {"anyOf": [address, {"type": "null"}]},
+        "both": {"allOf": [address, {"properties": {"zip": {"type": "string"}}}]},
+        "open": {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+        "patterned": {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x": {}}},
+        "properties": {"type": "object", "properties": {"required": {"type": "string"}}},
+    }, "$defs": {"Address": address}}
+    closed = closed_objects(schema)
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert props["address"]["additionalProperties"] is False
+    assert props["places"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False and props["either"]["anyOf"][1] == {
+        "type": "null"}
+    assert props["properties"]["additionalProperties"] is False  # a parameter named "properties"
+    assert props["properties"]["properties"] == {"required": {"type": "string"}}
+    assert props["both"] == schema["properties"]["both"] and closed["$defs"] == schema["$defs"]
+    assert props["open"] == schema["properties"]["open"] and props["patterned"] == schema["properties"]["patterned"]
+    assert props["city"] == schema["properties"]["city"]
+    assert "additionalProperties" not in address  # the caller's schema is not changed
+    assert closed_objects({"type": "object"}) == {"type": "object"}  # nothing declared: left open
 
 
 def test_forced_outputs_parse_or_fall_back_to_content() -> None:

@@ -67,12 +67,13 @@ class ToolPlan:
         return {tool["function"]["name"]: tool["function"]["parameters"] for tool in self.tools}
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
-        """The constraint of a forced call; None in "auto"."""
+        """The constraint of a forced call (its arguments' objects closed: `closed_objects`);
+        None in "auto"."""
         if self.mode == "named":
             assert self.name is not None
-            return StructuredOutputsParams(json=self.schemas[self.name])
+            return StructuredOutputsParams(json=closed_objects(self.schemas[self.name]))
         if self.mode == "required":
-            items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+            items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": closed_objects(schema)},
                       "required": ["name", "parameters"], "additionalProperties": False}
                      for name, schema in self.schemas.items()]
             array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
@@ -131,6 +132,34 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan | None:
         return None
     parallel = request.parallel_tool_calls is not False
     return ToolPlan(dicts, "required" if choice == "required" else "auto", parallel=parallel)
+
+
+_OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+# Where closing an object would change what the schema means: `allOf` branches (and `$ref`
+# targets, which `allOf` may combine) each name only some of the properties the whole allows.
+_NOT_CLOSED = ("allOf", "$defs", "definitions", "not", "if", "then", "else", "dependentSchemas")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `"additionalProperties": false` on every object schema that lists
+    `properties` and says nothing of other keys (outside `allOf` and `$defs`).
+
+    A forced call's arguments then hold only the parameters the tool declares, as OpenAI's
+    strict mode requires of a schema: an undeclared key is nothing a function can take, and a
+    small model left free to add keys writes prose into one until max_tokens runs out. Every
+    output is still valid against the original schema (only instances are excluded, never
+    added)."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: value if key in _NOT_CLOSED or key == "const" or key == "enum" or key == "default"
+              or key == "examples" else closed_objects(value) for key, value in schema.items()}
+    if isinstance(schema.get("properties"), dict):
+        closed["properties"] = {name: closed_objects(value) for name, value in schema["properties"].items()}
+        if not any(key in schema for key in _OPEN_KEYWORDS):
+            closed["additionalProperties"] = False
+    return closed
 
 
 def new_call_id() -> str:
