@@ -219,3 +219,32 @@ def test_langchain_assembles_streamed_calls(server: ServerProcess, tool_choice: 
             check_arguments(call["name"], json.dumps(call["args"]))
     assert [(c["name"], c["args"]) for c in streamed.tool_calls] == \
         [(c["name"], c["args"]) for c in whole.tool_calls]  # type: ignore[attr-defined]
+
+
+def test_required_with_tools_whose_schemas_have_defs(client: openai.OpenAI) -> None:
+    """Pydantic's schemas put nested models under `$defs`: under "required" (the tools inside an
+    array) each call's arguments still validate against its own tool's model."""
+    from pydantic import BaseModel, Field
+
+    class Item(BaseModel):
+        name: str = Field(max_length=12)
+        quantity: int = Field(ge=1, le=9)
+
+    class Order(BaseModel):
+        items: list[Item] = Field(min_length=1, max_length=2)
+
+    class Refund(BaseModel):
+        item: Item
+        reason: str = Field(max_length=20)
+
+    models = {"place_order": Order, "refund": Refund}
+    tools: Any = [{"type": "function", "function": {"name": name, "parameters": model.model_json_schema()}}
+                  for name, model in models.items()]
+    assert all("$defs" in tool["function"]["parameters"] for tool in tools)
+    result = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Order two apples."}], tools=tools,
+        tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=0)
+    choice = result.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    models[call.function.name].model_validate_json(call.function.arguments)  # type: ignore[union-attr]

@@ -111,19 +111,22 @@ def test_forced_constraints() -> None:
 
 
 def test_a_forced_call_holds_only_the_declared_parameters() -> None:
-    """Objects that list properties and say nothing of other keys are closed, nested ones too;
-    objects that say something, `allOf` branches, `$defs` and values (`enum`, `default`) are not."""
+    """Objects that list properties and say nothing of other keys are closed, nested ones and
+    `$defs` too; objects that say something, the branches of an `allOf` of several (and the
+    `$defs` they name) and values (`enum`, `default`) are not."""
     address = {"type": "object", "properties": {"street": {"type": "string"}}}
     schema = {"type": "object", "properties": {
         "city": {"type": "string", "default": {"properties": {"x": {}}}},
         "address": address,
         "places": {"type": "array", "items": address},
         "either": {"anyOf": [address, {"type": "null"}]},
-        "both": {"allOf": [address, {"properties": {"zip": {"type": "string"}}}]},
+        "both": {"allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"zip": {"type": "string"}}}]},
+        "one": {"allOf": [address]},
         "open": {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
         "patterned": {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x": {}}},
         "properties": {"type": "object", "properties": {"required": {"type": "string"}}},
-    }, "$defs": {"Address": address}}
+        "item": {"$ref": "#/$defs/Item"},
+    }, "$defs": {"Item": address, "Base": address}}
     closed = closed_objects(schema)
     props = closed["properties"]
     assert closed["additionalProperties"] is False
@@ -131,13 +134,33 @@ def test_a_forced_call_holds_only_the_declared_parameters() -> None:
     assert props["places"]["items"]["additionalProperties"] is False
     assert props["either"]["anyOf"][0]["additionalProperties"] is False and props["either"]["anyOf"][1] == {
         "type": "null"}
+    assert props["one"]["allOf"][0]["additionalProperties"] is False
     assert props["properties"]["additionalProperties"] is False  # a parameter named "properties"
     assert props["properties"]["properties"] == {"required": {"type": "string"}}
-    assert props["both"] == schema["properties"]["both"] and closed["$defs"] == schema["$defs"]
+    assert closed["$defs"]["Item"]["additionalProperties"] is False  # pydantic's nested models
+    assert props["both"] == schema["properties"]["both"] and closed["$defs"]["Base"] == address
     assert props["open"] == schema["properties"]["open"] and props["patterned"] == schema["properties"]["patterned"]
     assert props["city"] == schema["properties"]["city"]
     assert "additionalProperties" not in address  # the caller's schema is not changed
     assert closed_objects({"type": "object"}) == {"type": "object"}  # nothing declared: left open
+
+
+def test_required_keeps_each_tools_references_its_own() -> None:
+    """Under "required" the tools' schemas sit inside an array: one that refers to its own
+    `$defs` (or to itself) is moved under the array's `$defs` and its references rebased."""
+    tree = {"type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}},
+                                             "child": {"$ref": "#"}, "tag": {"const": {"$ref": "#/x"}}},
+            "$defs": {"Item": {"type": "object", "properties": {"name": {"type": "string"}}}}}
+    tools = [WEATHER, {"type": "function", "function": {"name": "tree", "parameters": tree}}]
+    schema = plan(tools=tools, tool_choice="required").structured_outputs().json  # type: ignore[union-attr]
+    weather, moved = (item["properties"]["parameters"] for item in schema["items"]["anyOf"])
+    assert weather == closed_objects(SCHEMAS["get_weather"]) and moved == {"$ref": "#/$defs/tool_1"}
+    placed = schema["$defs"]["tool_1"]
+    assert placed["properties"]["items"]["items"] == {"$ref": "#/$defs/tool_1/$defs/Item"}
+    assert placed["properties"]["child"] == {"$ref": "#/$defs/tool_1"}
+    assert placed["properties"]["tag"] == {"const": {"$ref": "#/x"}}  # a value, not a reference
+    assert placed["$defs"]["Item"]["additionalProperties"] is False
+    assert "$defs" not in plan(tools=[WEATHER], tool_choice="required").structured_outputs().json  # type: ignore
 
 
 def test_forced_outputs_parse_or_fall_back_to_content() -> None:

@@ -73,10 +73,19 @@ class ToolPlan:
             assert self.name is not None
             return StructuredOutputsParams(json=closed_objects(self.schemas[self.name]))
         if self.mode == "required":
-            items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": closed_objects(schema)},
-                      "required": ["name", "parameters"], "additionalProperties": False}
-                     for name, schema in self.schemas.items()]
+            # A tool whose schema refers to its own parts ("#/$defs/Item", "#") is placed under the
+            # array's `$defs` and its references rebased there: they would point into the array.
+            defs, items = {}, []
+            for index, (name, schema) in enumerate(self.schemas.items()):
+                parameters = closed_objects(schema)
+                if has_local_refs(parameters):
+                    defs[f"tool_{index}"] = rebased(parameters, f"/$defs/tool_{index}")
+                    parameters = {"$ref": f"#/$defs/tool_{index}"}
+                items.append({"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
+                              "required": ["name", "parameters"], "additionalProperties": False})
             array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+            if defs:
+                array["$defs"] = defs
             if not self.parallel:
                 array["maxItems"] = 1
             return StructuredOutputsParams(json=array)
@@ -134,32 +143,86 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan | None:
     return ToolPlan(dicts, "required" if choice == "required" else "auto", parallel=parallel)
 
 
+# ---- forced-call schemas -----------------------------------------------------------------
+
 _OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-# Where closing an object would change what the schema means: `allOf` branches (and `$ref`
-# targets, which `allOf` may combine) each name only some of the properties the whole allows.
-_NOT_CLOSED = ("allOf", "$defs", "definitions", "not", "if", "then", "else", "dependentSchemas")
+_VALUES = ("const", "enum", "default", "examples")  # data, not schemas
+_DEFS = ("$defs", "definitions")
+# Where closing an object would change what the schema means (a negation, a condition).
+_NOT_CLOSED = ("not", "if", "then", "else", "dependentSchemas")
 
 
 def closed_objects(schema: Any) -> Any:
     """`schema` with `"additionalProperties": false` on every object schema that lists
-    `properties` and says nothing of other keys (outside `allOf` and `$defs`).
+    `properties` and says nothing of other keys, `$defs` included (pydantic puts nested models
+    there), except the branches of an `allOf` of several (each names only some of the
+    properties the whole allows) and the `$defs` such a branch refers to.
 
     A forced call's arguments then hold only the parameters the tool declares, as OpenAI's
     strict mode requires of a schema: an undeclared key is nothing a function can take, and a
     small model left free to add keys writes prose into one until max_tokens runs out. Every
     output is still valid against the original schema (only instances are excluded, never
     added)."""
+    return _close(schema, _combined_refs(schema, False))
+
+
+def _close(schema: Any, keep: set[str]) -> Any:
     if isinstance(schema, list):
-        return [closed_objects(item) for item in schema]
+        return [_close(item, keep) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    closed = {key: value if key in _NOT_CLOSED or key == "const" or key == "enum" or key == "default"
-              or key == "examples" else closed_objects(value) for key, value in schema.items()}
-    if isinstance(schema.get("properties"), dict):
-        closed["properties"] = {name: closed_objects(value) for name, value in schema["properties"].items()}
-        if not any(key in schema for key in _OPEN_KEYWORDS):
-            closed["additionalProperties"] = False
+    closed = {}
+    for key, value in schema.items():
+        if key in _VALUES or key in _NOT_CLOSED or (key == "allOf" and isinstance(value, list) and len(value) > 1):
+            closed[key] = value
+        elif key in _DEFS and isinstance(value, dict):
+            closed[key] = {name: sub if f"#/{key}/{name}" in keep else _close(sub, keep) for name, sub in value.items()}
+        elif key == "properties" and isinstance(value, dict):  # names, not keywords: a parameter may be "enum"
+            closed[key] = {name: _close(sub, keep) for name, sub in value.items()}
+        else:
+            closed[key] = _close(value, keep)
+    if isinstance(schema.get("properties"), dict) and not any(key in schema for key in _OPEN_KEYWORDS):
+        closed["additionalProperties"] = False
     return closed
+
+
+def _combined_refs(schema: Any, branch: bool) -> set[str]:
+    """The `$ref`s named by the branches of an `allOf` of several (`branch`: `schema` is one)."""
+    if isinstance(schema, list):
+        return set().union(*(_combined_refs(item, branch) for item in schema))
+    if not isinstance(schema, dict):
+        return set()
+    found = {schema["$ref"]} if branch and isinstance(schema.get("$ref"), str) else set()
+    for key, value in schema.items():
+        if key == "properties" and isinstance(value, dict):
+            found |= _combined_refs(list(value.values()), False)
+        elif key not in _VALUES:
+            found |= _combined_refs(value, key == "allOf" and isinstance(value, list) and len(value) > 1)
+    return found
+
+
+def rebased(schema: Any, base: str) -> Any:
+    """`schema` placed at JSON pointer `base` of another document: its local `$ref`s ("#...")
+    rewritten to point there (a tool's `$defs` stay its own, whatever the other tools call theirs)."""
+    if isinstance(schema, list):
+        return [rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = f"#{base}{value[1:]}"
+        elif key in _VALUES:
+            out[key] = value
+        elif key == "properties" and isinstance(value, dict):
+            out[key] = {name: rebased(sub, base) for name, sub in value.items()}
+        else:
+            out[key] = rebased(value, base)
+    return out
+
+
+def has_local_refs(schema: Any) -> bool:
+    return '"$ref": "#' in json.dumps(schema)
 
 
 def new_call_id() -> str:
