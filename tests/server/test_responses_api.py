@@ -4,6 +4,7 @@ max_output_tokens, output constraints, function tools, and the fields it refuses
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -143,6 +144,7 @@ def test_text_format_json_schema(client: openai.OpenAI) -> None:
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "tool_choice"),
     ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0]"),
     ({"input": [{"type": "function_call", "call_id": "call_1", "name": "f"}]}, "input[0].arguments"),
     ({"input": [{"type": "function_call_output", "call_id": "", "output": "1"}]}, "input[0].call_id"),
@@ -164,6 +166,8 @@ def test_bad_fields_are_refused(client: openai.OpenAI, fields: dict[str, Any], p
     with pytest.raises(openai.BadRequestError) as error:
         client.responses.create(**body)
     assert error.value.param == param, error.value.body
+    message = error.value.body["message"]  # type: ignore[index]
+    assert not re.search(r"\b(messages|max_tokens|response_format)\b", message), message  # the chat path's names
 
 
 # ---- function tools ----------------------------------------------------------------------------

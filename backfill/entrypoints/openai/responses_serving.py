@@ -95,15 +95,20 @@ class OutputItems:
 # ---- serving -------------------------------------------------------------------------------
 
 
+# The chat path's field names where an error's text mentions them (not its param).
+_NAMES_IN_TEXT = re.compile(r"\b(response_format|max_tokens)\b")
+
+
 def rename_error(error: APIError) -> APIError:
-    """An error of the chat path, naming the Responses request's field instead."""
-    if error.param is None:
+    """An error of the chat path, naming the Responses request's fields instead."""
+    message, param = error.message, error.param
+    key = param if param in PARAM_RENAMES else re.split(r"[.\[]", param or "")[0]
+    if param is not None and key in PARAM_RENAMES:
+        param = PARAM_RENAMES[key] + param[len(key):]
+        message = message.replace(error.param or "", param, 1)
+    message = _NAMES_IN_TEXT.sub(lambda match: PARAM_RENAMES[match.group(1)], message)
+    if (param, message) == (error.param, error.message):
         return error
-    key = error.param if error.param in PARAM_RENAMES else re.split(r"[.\[]", error.param)[0]
-    if key not in PARAM_RENAMES:
-        return error
-    param = PARAM_RENAMES[key] + error.param[len(key):]
-    message = error.message.replace(error.param, param, 1)
     return APIError(error.status_code, message, error.type, param, error.code, error.headers)
 
 
