@@ -55,6 +55,9 @@ class RequestOutput:
     metrics: RequestMetrics
     # Prompt tokens whose K/V came from the prefix cache (n > 1: the most any sequence found).
     num_cached_tokens: int = 0
+    # `SamplingParams.prompt_logprobs`: one entry per prompt token, None for the first (nothing
+    # predicts it); set from the request's first output on.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     # Shortcuts to the first completion: what `n == 1` users read.
     @property

@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backfill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from backfill.core.outputs import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -59,12 +62,16 @@ class Request:
     # Constrained decoding (backfill.structured_output.Grammar: `ready`, `error`, `accept(token)`,
     # `terminated`); None: unconstrained. Not admitted before it is ready.
     grammar: Any = None
+    # The prompt's logprobs so far, from its token 1 on (`params.prompt_logprobs` set; else None).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
         if not self.group_id:
             self.group_id = self.request_id
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:

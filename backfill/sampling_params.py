@@ -109,6 +109,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives per generated token (0: chosen token only)
+    # Logprobs of the prompt's own tokens (each after the first), with top-N alternatives (0: the
+    # prompt token only). Costs the LM head on every prompt position; such a request computes
+    # its whole prompt (no prefix-cache hit), as vLLM does.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Constrained decoding: the output matches this grammar (None: unconstrained).
@@ -178,6 +182,8 @@ class SamplingParams:
             _fail("ignore_eos", "must be a boolean")
         if self.logprobs is not None:
             self._check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self._check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=MAX_LOGPROBS)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

@@ -73,8 +73,9 @@ class KVCacheManager:
 
     def find_cached_blocks(self, request: Request) -> list[int]:
         """The longest run of cached blocks matching the request's leading full blocks, capped
-        so at least its last token remains to compute. Changes nothing but memoized hashes."""
-        if not self.enable_prefix_caching:
+        so at least its last token remains to compute. Changes nothing but memoized hashes.
+        None for a request that wants its prompt's logprobs: every position must be computed."""
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return []
         max_num_blocks = (request.num_tokens - 1) // self.block_size
         block_hashes = self._hashes(request, max_num_blocks)

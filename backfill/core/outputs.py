@@ -66,11 +66,13 @@ class SchedulerOutput:
 
 @dataclass
 class TokenLogprobs:
-    """Log-probabilities for one generated token: the chosen one and the top alternatives."""
+    """Log-probabilities for one token (generated, or of the prompt): the chosen one and the top
+    alternatives."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs only)
 
 
 @dataclass
@@ -80,6 +82,8 @@ class ModelRunnerOutput:
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None  # None when no request asked for them
+    # Prompt logprobs computed this step: request id -> (prompt position of the first, entries).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass

@@ -98,6 +98,7 @@ class EngineCore:
             next(iter(self._compiling.values())).wait(COMPILE_WAIT_S)
         runner_output = self.runner.execute(scheduler_output, self._grammar_bitmask(scheduler_output))
         now = time.monotonic()
+        self._gather_prompt_logprobs(runner_output)
         changed = self.scheduler.update_from_output(scheduler_output, runner_output, now)
         outputs = _ended(scheduler_output.timed_out_request_ids, FinishReason.TIMEOUT, now)
         outputs += _ended(failed, FinishReason.ABORT, now)
@@ -106,6 +107,16 @@ class EngineCore:
             for request_id in [r for r in self._grammars if self.scheduler.get_request(r) is None]:
                 del self._grammars[request_id]
         return outputs, self._stats(start, scheduler_output, slot_states)
+
+    def _gather_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
+        """Append each request's new prompt logprobs. A preempted request computes its prompt
+        again: the positions it already has are skipped."""
+        for request_id, (first, entries) in runner_output.prompt_logprobs.items():
+            request = self.scheduler.get_request(request_id)
+            if request is not None and request.prompt_logprobs is not None:
+                have = 1 + len(request.prompt_logprobs)  # the prompt position of the next entry
+                if first <= have:
+                    request.prompt_logprobs.extend(entries[have - first:])
 
     def _poll_grammars(self) -> list[str]:
         """Mark finished compiles; end (ABORT) the sequences whose grammar failed to compile.
@@ -199,6 +210,7 @@ def _outputs(changed: list[Request], runner_output: ModelRunnerOutput, now: floa
             finish_reason=reason.value if reason is not None else None,
             stop_token_id=request.stop_reason if isinstance(request.stop_reason, int) else None,
             num_cached_tokens=request.num_cached_tokens if request.num_output_tokens == 1 else None,
+            prompt_logprobs=request.prompt_logprobs if request.num_output_tokens == 1 else None,
             first_token_steps=num_steps - request.arrival_step if request.num_output_tokens == 1 else None,
         ))
     return outputs

@@ -50,6 +50,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # On a sequence's first output: its prompt tokens whose K/V came from the prefix cache.
     num_cached_tokens: int | None = None
     first_token_steps: int | None = None
+    # On a sequence's first output, when it asked for them: the logprobs of its prompt's tokens
+    # from the second on.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class CoreLoad(msgspec.Struct, array_like=True):

@@ -55,6 +55,7 @@ class _Group:
     sequences: list[_Sequence]
     core_ids: list[str]  # the core's ids of its sequences, in index order
     finish_time: float | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # once its sequence #0 has them
 
     @property
     def finished(self) -> bool:
@@ -127,6 +128,8 @@ class OutputProcessor:
                 continue
             if self._advance(seq, output):
                 to_abort.append(output.request_id)
+            if output.prompt_logprobs is not None:  # the first token has none: nothing predicts it
+                self._groups[seq.group_id].prompt_logprobs = [None, *output.prompt_logprobs]
             touched.setdefault(seq.group_id, []).append(seq)
         request_outputs = []
         for group_id, seqs in touched.items():
@@ -196,6 +199,7 @@ class OutputProcessor:
             finished=group.finished,
             metrics=group.metrics(),
             num_cached_tokens=max(seq.num_cached_tokens for seq in group.sequences),
+            prompt_logprobs=group.prompt_logprobs,
         )
 
     def _forget(self, group: _Group) -> list[str]:

@@ -156,6 +156,12 @@ class CpuDecoder:
         hidden = self._run(input_ids, positions, kv_caches, meta, logits_index)  # [S, hidden]
         return self._step.logits(hidden)
 
+    def forward_rows(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                     meta: AttentionMetadata, rows: Tensor) -> Tensor:
+        """forward, keeping only the rows `rows` [S] int64: hidden [S, hidden] fp32 (normed),
+        for compute_logits to take in parts."""
+        return self._run(input_ids, positions, kv_caches, meta, rows)
+
     def make_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[Tensor, Tensor]]:
         """Zeroed per-layer (k_cache, v_cache) pairs, fp32 [num_blocks, block_size, Hkv, D] each."""
         shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)

@@ -154,6 +154,12 @@ class LlamaForCausalLM(nn.Module):
         hidden = self(input_ids, positions, kv_caches, meta)  # [T, hidden]
         return self.compute_logits(hidden[logits_index])  # [S, vocab]
 
+    def forward_rows(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                     meta: AttentionMetadata, rows: Tensor) -> Tensor:
+        """forward, keeping only the rows `rows` [S] int64: hidden [S, hidden] (for
+        compute_logits to take in parts)."""
+        return self(input_ids, positions, kv_caches, meta)[rows]
+
     @property
     def weight_bytes_per_step(self) -> int:
         """Bytes of weights a step reads in full: every linear and the LM head (the embedding

@@ -20,7 +20,9 @@ class Batch:
     ```
     Only the last token of a sequence that samples this step goes through the LM head.
     Padding rows (static batches, see SchedulerOutput.padding_seq_lens) come last: one token
-    each, over the scratch KV block; their logits rows follow the sampled ones.
+    each, over the scratch KV block; their logits rows follow the sampled ones. Then the rows
+    of `prompt_rows` (prompt positions whose logprobs were asked for), from
+    `prompt_logits_start` on.
     """
 
     input_ids: torch.Tensor  # [T] int64
@@ -28,6 +30,7 @@ class Batch:
     metadata: AttentionMetadata
     logits_index: torch.Tensor  # [S_sample + P] int64, rows of the hidden states for the LM head
     sample_request_ids: list[str]  # request id of the first S_sample logits rows (the P padding rows follow)
+    prompt_logits_start: int = 0  # S_sample + P: where the prompt_rows' logits rows begin
 
 
 def build_batch(
@@ -37,11 +40,14 @@ def build_batch(
     scratch_block: int | None = None,
     sliding_window: int | None = None,
     plan_torch_attention: bool = True,
+    prompt_rows: list[tuple[int, int]] = [],  # noqa: B006 (never mutated)
 ) -> Batch:
     """Build the step's tensors once; every layer reuses them.
 
     Padding rows write and read only `scratch_block`, a KV block the scheduler never hands out
     (its table repeats that block to the row's length: a real context's worth of reads).
+    `prompt_rows`: (index into `scheduled`, n): the first n tokens of that item also go through
+    the LM head.
     """
     scheduled = scheduler_output.scheduled
     assert scheduled, "build_batch needs at least one scheduled request"
@@ -50,7 +56,9 @@ def build_batch(
     input_ids: list[int] = []
     logits_index: list[int] = []
     sample_request_ids: list[str] = []
+    starts = []
     for item in scheduled:
+        starts.append(len(input_ids))
         input_ids.extend(item.token_ids)
         if item.sample:
             logits_index.append(len(input_ids) - 1)
@@ -58,6 +66,9 @@ def build_batch(
     for _ in padding_lens:
         input_ids.append(0)
         logits_index.append(len(input_ids) - 1)
+    prompt_logits_start = len(logits_index)
+    for index, count in prompt_rows:
+        logits_index.extend(range(starts[index], starts[index] + count))
     positions, metadata = build_attention_metadata(
         num_computed_tokens=[item.num_computed_tokens for item in scheduled] + [n - 1 for n in padding_lens],
         query_lens=[item.num_tokens for item in scheduled] + [1] * len(padding_lens),
@@ -74,4 +85,5 @@ def build_batch(
         metadata=metadata,
         logits_index=torch.tensor(logits_index, dtype=torch.long, device=device),
         sample_request_ids=sample_request_ids,
+        prompt_logits_start=prompt_logits_start,
     )

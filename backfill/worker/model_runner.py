@@ -17,6 +17,7 @@ from backfill.model.prepack import prepack_supported
 from backfill.model.static_decode import varlen_supported
 from backfill.worker.cuda_graph import CudaGraphRunner, DecodeInputs, decode_inputs
 from backfill.worker.input_batch import build_batch
+from backfill.worker.prompt_logprobs import PromptLogprobs
 from backfill.worker.sampler import Sampler
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class ModelRunner:
             device=self.device,
             seed=config.seed,
         )
+        self.prompt_logprobs = PromptLogprobs()
         self.graph_runner: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager and isinstance(self.model, LlamaForCausalLM):
             self.graph_runner = self._capture_graphs()
@@ -168,24 +170,36 @@ class ModelRunner:
         (within `grammar_bitmask` for the constrained sequences)."""
         for request_id in scheduler_output.finished_request_ids:
             self.sampler.remove_request(request_id)
+            self.prompt_logprobs.remove(request_id)
         for item in scheduler_output.scheduled:
             if item.new_request is not None:
                 new = item.new_request
                 self.sampler.add_request(new.request_id, new.params, new.prompt_token_ids)
+                if new.params.prompt_logprobs is not None:
+                    self.prompt_logprobs.add(new.request_id, new.prompt_token_ids, new.params.prompt_logprobs)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
 
-        decode = None if self.graph_runner is None else decode_inputs(scheduler_output)
+        prompt_rows = self.prompt_logprobs.rows(scheduler_output.scheduled)
+        decode = None if self.graph_runner is None or prompt_rows else decode_inputs(scheduler_output)
         if decode is not None and self.graph_runner is not None and self.graph_runner.graph_key(decode) is not None:
             return self._execute_graphed(scheduler_output, decode, grammar_bitmask)
         batch = build_batch(scheduler_output, self.block_size, self.device, self.scratch_block,
                             self.model_config.sliding_window,
-                            plan_torch_attention=not isinstance(self.model, CpuDecoder))
-        logits = self.model.forward_logits(
-            batch.input_ids, batch.positions, self.kv_caches, batch.metadata, batch.logits_index
-        )  # [S_sample + P, vocab] float32
+                            plan_torch_attention=not isinstance(self.model, CpuDecoder), prompt_rows=prompt_rows)
+        prompt_logprobs = {}
+        if not prompt_rows:
+            logits = self.model.forward_logits(
+                batch.input_ids, batch.positions, self.kv_caches, batch.metadata, batch.logits_index
+            )  # [S_sample + P, vocab] float32
+        else:  # the prompt rows' logits are taken a few hundred rows at a time
+            hidden = self.model.forward_rows(batch.input_ids, batch.positions, self.kv_caches, batch.metadata,
+                                             batch.logits_index)  # [S_sample + P + prompt rows, hidden]
+            logits = self.model.compute_logits(hidden[:batch.prompt_logits_start])
+            prompt_logprobs = self.prompt_logprobs.logprobs(scheduler_output.scheduled, prompt_rows,
+                                                            hidden[batch.prompt_logits_start:], self.model.compute_logits)
         if not batch.sample_request_ids:  # only partial prompt chunks (and padding) this step
-            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
         num_sample = len(batch.sample_request_ids)
         sampled = self.sampler.sample(batch.sample_request_ids, logits[:num_sample],  # padding rows dropped
                                       grammar_bitmask)
@@ -193,6 +207,7 @@ class ModelRunner:
             request_ids=batch.sample_request_ids,
             sampled_token_ids=sampled.token_ids,
             logprobs=sampled.logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _execute_graphed(self, scheduler_output: SchedulerOutput, decode: DecodeInputs,

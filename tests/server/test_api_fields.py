@@ -36,8 +36,8 @@ def post(server: ServerProcess, path: str, body: dict[str, Any], **kwargs: Any) 
 
 # (case id, path, body, the error's param)
 REFUSED: list[tuple[str, str, dict[str, Any], str]] = [
-    ("prompt-logprobs", C, completion(prompt_logprobs=1), "prompt_logprobs"),
-    ("prompt-logprobs-zero", C, completion(prompt_logprobs=0), "prompt_logprobs"),
+    ("prompt-logprobs-streamed", C, completion(prompt_logprobs=1, stream=True), "prompt_logprobs"),
+    ("prompt-logprobs-over-20", C, completion(prompt_logprobs=21), "prompt_logprobs"),
     ("logits-processors", C, completion(logits_processors=["my.module:Processor"]), "logits_processors"),
     ("beam-search", C, completion(use_beam_search=True), "use_beam_search"),
     ("allowed-token-ids", C, completion(allowed_token_ids=[1, 2]), "allowed_token_ids"),
@@ -105,7 +105,7 @@ def test_refused_fields_are_named(server: ServerProcess, case: tuple[str, str, d
 
 
 def test_fields_that_ask_for_nothing_are_accepted(server: ServerProcess) -> None:
-    off = {"prompt_logprobs": None, "use_beam_search": False, "bad_words": [], "logits_processors": [],
+    off = {"use_beam_search": False, "bad_words": [], "logits_processors": [],
            "guided_decoding_backend": "auto", "user": "u", "store": False, "metadata": {"a": "b"},
            "service_tier": "auto", "response_format": {"type": "text"}, "echo": False, "reasoning_effort": None}
     response = post(server, CH, chat(**off))

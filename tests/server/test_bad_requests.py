@@ -87,7 +87,7 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str, str | None]] = [
     ("prompt-plus-max-tokens", "POST", C, completion(prompt=[1] * 8000, max_tokens=500), AUTH, 400, INVALID, "max_tokens"),
     ("best-of-unsupported", "POST", C, completion(best_of=3), AUTH, 400, INVALID, "best_of"),
     ("suffix-unsupported", "POST", C, completion(suffix="end"), AUTH, 400, INVALID, "suffix"),
-    ("echo-with-logprobs", "POST", C, completion(echo=True, logprobs=1), AUTH, 400, INVALID, "echo"),
+    ("max-tokens-zero-without-echo", "POST", C, completion(max_tokens=0), AUTH, 400, INVALID, "max_tokens"),
     ("stream-options-without-stream", "POST", C, completion(stream_options={"include_usage": True}), AUTH, 400, INVALID, "stream_options"),
     ("stream-wrong-type", "POST", C, completion(stream="yes"), AUTH, 400, INVALID, "stream"),
     ("chat-missing-messages", "POST", CH, {"model": MODEL}, AUTH, 400, INVALID, "messages"),

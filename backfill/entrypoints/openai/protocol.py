@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, ValidationInfo, create_model, field_validator
 
 from backfill.entrypoints.openai.wire import APIError, ResponseModel, StrictModel, bad_request
-from backfill.sampling_params import StructuredOutputsParams
+from backfill.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 
 # `priority` (vLLM's extension) range: aging lifts a waiting request one level per
 # --priority-aging-steps, so the widest gap bounds how long a request can be overtaken.
@@ -29,7 +29,6 @@ MAX_PRIORITY = 1000
 # Fields (vLLM's and OpenAI's) that would change the result and that this server does not
 # honour: a 400 naming the field when set to anything but "off" (null, false, empty).
 UNSUPPORTED_FIELDS = {
-    "prompt_logprobs": "prompt logprobs are not supported by this server",
     "logits_processors": "custom logits processors are not supported by this server",
     "use_beam_search": "beam search is not supported by this server",
     "allowed_token_ids": "allowed_token_ids is not supported by this server; constrain the output with "
@@ -158,6 +157,9 @@ class SamplingFields(refused_fields("UnsupportedFields", UNSUPPORTED_FIELDS)):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    # The prompt's own tokens' logprobs with this many alternatives (response `prompt_logprobs`;
+    # the request then computes its whole prompt: no prefix-cache hit).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     stop_token_ids: list[int] | None = None
     priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # lower runs first
     # backfill extension: seconds from arrival (queueing included) before the request ends with a
@@ -200,6 +202,8 @@ class SamplingFields(refused_fields("UnsupportedFields", UNSUPPORTED_FIELDS)):
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM
+            raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
 
     def output_constraint(self) -> tuple[StructuredOutputsParams, str] | None:
         """What the output must match, and the request field that asked for it (errors name it).
@@ -233,7 +237,7 @@ class CompletionRequest(SamplingFields, refused_fields("UnsupportedCompletionFie
     """POST /v1/completions. `prompt`: a string, strings, token ids, or lists of token ids."""
 
     prompt: Any  # checked by _check_prompt; Any keeps union tags out of the error `param`
-    max_tokens: int | None = Field(16, ge=1)  # null: up to the context length
+    max_tokens: int | None = Field(16, ge=0)  # null: up to the context length; 0: echo the prompt alone
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1)
@@ -272,8 +276,15 @@ class CompletionRequest(SamplingFields, refused_fields("UnsupportedCompletionFie
         self.check_stream_options()
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise bad_request("best_of must equal n: this server does not rank completions", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens: must be at least 1 (0 only with echo: the prompt alone)", "max_tokens")
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs to compute: asked for, or echoed prompt's with `logprobs` (as vLLM)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
 
 class TextPart(StrictModel):
@@ -419,9 +430,14 @@ class UsageInfo(ResponseModel):
 
 class CompletionLogprobs(ResponseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+# vLLM's `prompt_logprobs`: per prompt token (None for the first), token id -> its logprob, rank
+# (1: the most likely) and text; the prompt's own token and the top-N alternatives.
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
 
 
 class CompletionChoice(ResponseModel):
@@ -429,6 +445,7 @@ class CompletionChoice(ResponseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(ResponseModel):
@@ -478,6 +495,7 @@ class ChatCompletionResponse(ResponseModel):
     choices: list[ChatChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(ResponseModel):

@@ -27,7 +27,8 @@ from backfill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineEr
 from backfill.entrypoints.openai.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatTemplateFields, ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionRequest,
-    CompletionResponse, PromptTokensDetails, SamplingFields, TokenLogprob, TopLogprob, UsageInfo, constraint_error)
+    CompletionResponse, PromptLogprobs, PromptTokensDetails, SamplingFields, TokenLogprob, TopLogprob, UsageInfo,
+    constraint_error)
 from backfill.entrypoints.openai.wire import APIError, bad_request
 from backfill.entrypoints.openai.token_text import TokenText
 from backfill.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan, plan_tools, prompt_messages
@@ -52,6 +53,16 @@ _TOKEN_ID = re.compile(r"[0-9]{1,9}")
 class _Prompt:
     text: str | None
     token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class _CompletionForm:
+    """What a completion's choices hold besides the new text."""
+
+    echo: bool  # the prompt's text (and, with `logprobs`, its tokens' logprobs) first
+    echo_only: bool  # max_tokens 0: the prompt alone (the token generated is dropped)
+    logprobs: int | None  # the legacy logprobs object, with this many alternatives
+    prompt_logprobs: int | None  # vLLM's `prompt_logprobs` field, as asked for
 
 
 def engine_error(error: BaseException, renames: dict[str, str] | None = None) -> APIError:
@@ -190,7 +201,8 @@ class OpenAIServing:
         return constraint
 
     def _sampling_params(self, request: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                         renames: dict[str, str], constraint: StructuredOutputsParams | None) -> SamplingParams:
+                         renames: dict[str, str], constraint: StructuredOutputsParams | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         bias = None
         if request.logit_bias:
             bias = {}
@@ -209,6 +221,7 @@ class OpenAIServing:
             "stop_token_ids": request.stop_token_ids, "ignore_eos": request.ignore_eos, "logprobs": logprobs,
             "include_stop_str_in_output": request.include_stop_str_in_output,
             "skip_special_tokens": request.skip_special_tokens, "structured_outputs": constraint,
+            "prompt_logprobs": prompt_logprobs,
         }
         try:
             return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
@@ -291,7 +304,9 @@ class OpenAIServing:
             self._check_prompt(ids, "prompt")
             prompts.append(_Prompt(item if isinstance(item, str) else None, ids))
         constraint = await self._output_constraint(request)
-        params = self._sampling_params(request, request.max_tokens, request.logprobs, {}, constraint)
+        # max_tokens 0 (with echo): one token is generated and dropped, as vLLM does.
+        params = self._sampling_params(request, request.max_tokens or (None if request.max_tokens is None else 1),
+                                       request.logprobs, {}, constraint, request.num_prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit(request_id, prompts, params, {}, request)
         if request.echo:
@@ -299,15 +314,17 @@ class OpenAIServing:
                 if prompt.text is None:
                     prompt.text = self.tokenizer.decode(prompt.token_ids)
         created = int(time.time())
+        form = _CompletionForm(bool(request.echo), request.max_tokens == 0, request.logprobs, request.prompt_logprobs)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            lines = self._completion_stream(request_id, created, streams, prompts, params,
-                                            bool(request.echo), include_usage)
+            lines = self._completion_stream(request_id, created, streams, prompts, params, form, include_usage)
             return SSEStream(lines, streams)
-        return await self._completion_full(request_id, created, streams, prompts, params, bool(request.echo))
+        return await self._completion_full(request_id, created, streams, prompts, params, form)
 
     def _completion_logprobs(self, deltas: Sequence[TokenLogprobs], num_top: int,
                              offset: int) -> tuple[CompletionLogprobs, int]:
+        """The legacy logprobs object of `deltas`, their text starting at `offset`; and the
+        offset after them."""
         result = CompletionLogprobs()
         for entry in deltas:
             text = self.token_text.text(entry.token_id)
@@ -320,25 +337,66 @@ class OpenAIServing:
             offset += len(text)
         return result, offset
 
+    def _echo_logprobs(self, prompt: _Prompt, entries: list[TokenLogprobs | None], num_top: int) -> CompletionLogprobs:
+        """An echoed prompt's logprobs object: its first token with null logprobs (nothing
+        predicts it), then `entries[1:]`."""
+        first = self.token_text.text(prompt.token_ids[0])
+        rest, _ = self._completion_logprobs([entry for entry in entries[1:] if entry is not None], num_top, len(first))
+        return CompletionLogprobs(tokens=[first, *rest.tokens], token_logprobs=[None, *rest.token_logprobs],
+                                  top_logprobs=[None, *rest.top_logprobs], text_offset=[0, *rest.text_offset])
+
+    def prompt_logprobs_json(self, entries: list[TokenLogprobs | None] | None) -> PromptLogprobs | None:
+        """vLLM's `prompt_logprobs`: per prompt token, its id and the top alternatives' ids ->
+        logprob, rank and text."""
+        if entries is None:
+            return None
+        out: PromptLogprobs = []
+        for entry in entries:
+            if entry is None:
+                out.append(None)
+                continue
+            ranked = {str(entry.token_id): {"logprob": entry.logprob, "rank": entry.rank,
+                                            "decoded_token": self.token_text.text(entry.token_id)}}
+            for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+                ranked.setdefault(str(token_id), {"logprob": logprob, "rank": rank,
+                                                  "decoded_token": self.token_text.text(token_id)})
+            out.append(ranked)
+        return out
+
+    def _completion_choice(self, index: int, prompt: _Prompt, completion: CompletionOutput,
+                           deltas: list[TokenLogprobs], prompt_entries: list[TokenLogprobs | None] | None,
+                           form: _CompletionForm) -> CompletionChoice:
+        """One completion's whole choice: with echo the prompt first (its text, and its logprobs
+        when `logprobs` was asked for), then the new text."""
+        text, deltas = ("", []) if form.echo_only else (completion.text, deltas)
+        prefix = (prompt.text or "") if form.echo else ""
+        lp = None
+        if form.logprobs is not None:
+            lp = self._echo_logprobs(prompt, prompt_entries or [], form.logprobs) if form.echo else CompletionLogprobs()
+            rest, _ = self._completion_logprobs(deltas, form.logprobs, len(prefix))
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(lp, key).extend(getattr(rest, key))
+        prompt_logprobs = self.prompt_logprobs_json(prompt_entries) if form.prompt_logprobs is not None else None
+        return CompletionChoice(index=index, text=prefix + text, logprobs=lp, finish_reason=completion.finish_reason,
+                                prompt_logprobs=prompt_logprobs)
+
     async def _completion_full(self, request_id: str, created: int, streams: list[RequestStream],
-                               prompts: list[_Prompt], params: SamplingParams, echo: bool) -> CompletionResponse:
-        finals, logprobs = await self.collect(streams)
+                               prompts: list[_Prompt], params: SamplingParams,
+                               form: _CompletionForm) -> CompletionResponse:
+        prompt_entries: dict[int, list[TokenLogprobs | None]] = {}
+        finals, logprobs = await self.collect(streams, prompt_entries)
         choices = []
         num_completion = 0
         for (i, k), completion in sorted(finals.items()):
-            prefix = (prompts[i].text or "") if echo else ""
-            lp = None
-            if params.logprobs is not None:
-                lp, _ = self._completion_logprobs(logprobs[(i, k)], params.logprobs, len(prefix))
-            choices.append(CompletionChoice(index=i * params.n + k, text=prefix + completion.text, logprobs=lp,
-                                            finish_reason=completion.finish_reason))
-            num_completion += len(completion.token_ids)
+            choices.append(self._completion_choice(i * params.n + k, prompts[i], completion, logprobs[(i, k)],
+                                                   prompt_entries.get(i), form))
+            num_completion += 0 if form.echo_only else len(completion.token_ids)
         usage = self.usage(prompts, num_completion, streams)
         return CompletionResponse(id=request_id, created=created, model=self.served_model_name,
                                   choices=choices, usage=usage)
 
     def _completion_stream(self, request_id: str, created: int, streams: list[RequestStream],
-                           prompts: list[_Prompt], params: SamplingParams, echo: bool,
+                           prompts: list[_Prompt], params: SamplingParams, form: _CompletionForm,
                            include_usage: bool) -> AsyncGenerator[str, None]:
         def chunk(index: int, text: str, lp: CompletionLogprobs | None = None,
                   finish: str | None = None) -> str:
@@ -348,17 +406,29 @@ class OpenAIServing:
 
         offsets: dict[int, int] = {}
         num_tokens: dict[int, int] = {}
+        # With logprobs, an echoed prompt waits for its first output: that brings its logprobs.
+        echo_now = form.echo and form.logprobs is None
 
         async def events() -> AsyncGenerator[str, None]:
-            if echo:
+            if echo_now:
                 for i, prompt in enumerate(prompts):
                     for k in range(params.n):
                         offsets[i * params.n + k] = len(prompt.text or "")
                         yield chunk(i * params.n + k, prompt.text or "")
+            echoed: set[int] = set()
             async with contextlib.aclosing(merge_streams(streams)) as outputs:
                 async for i, output in outputs:
                     for completion in output.outputs:
                         index = i * params.n + completion.index
+                        if form.echo and not echo_now and index not in echoed:
+                            echoed.add(index)
+                            lp = self._echo_logprobs(prompts[i], output.prompt_logprobs or [], form.logprobs or 0)
+                            offsets[index] = len(prompts[i].text or "")
+                            yield chunk(index, prompts[i].text or "", lp)
+                        if form.echo_only:
+                            if completion.finish_reason:
+                                yield chunk(index, "", None, completion.finish_reason)
+                            continue
                         num_tokens[index] = len(completion.token_ids)
                         lp = None
                         if params.logprobs is not None:
@@ -385,7 +455,8 @@ class OpenAIServing:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return SSEStream(self._chat_stream(request_id, created, streams[0], prompts, params, include_usage,
                                                tool_plan), streams)
-        finals, logprobs = await self.collect(streams)
+        prompt_entries: dict[int, list[TokenLogprobs | None]] = {}
+        finals, logprobs = await self.collect(streams, prompt_entries)
         choices = []
         for (_, k), completion in sorted(finals.items()):
             lp = self._chat_logprobs(logprobs[(0, k)], params.logprobs) if params.logprobs is not None else None
@@ -397,7 +468,8 @@ class OpenAIServing:
             choices.append(ChatChoice(index=k, message=message, logprobs=lp, finish_reason=finish_reason))
         usage = self.usage(prompts, sum(len(c.token_ids) for c in finals.values()), streams)
         return ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name,
-                                      choices=choices, usage=usage)
+                                      choices=choices, usage=usage,
+                                      prompt_logprobs=self.prompt_logprobs_json(prompt_entries.get(0)))
 
     async def start_chat(self, request: ChatCompletionRequest, request_id: str,
                          tool_plan: ToolPlan | None = None) -> tuple[list[_Prompt], SamplingParams, list[RequestStream]]:
@@ -415,7 +487,7 @@ class OpenAIServing:
         num_top = (request.top_logprobs or 0) if request.logprobs else None
         renames = {"max_tokens": request.max_tokens_param, "logprobs": "top_logprobs", "prompt": "messages"}
         constraint = await self._output_constraint(request, tool_plan)
-        params = self._sampling_params(request, max_tokens, num_top, renames, constraint)
+        params = self._sampling_params(request, max_tokens, num_top, renames, constraint, request.prompt_logprobs)
         prompts = [_Prompt(text, ids)]
         return prompts, params, await self._submit(request_id, prompts, params, renames, request)
 
@@ -510,14 +582,18 @@ class OpenAIServing:
 
     # ---- helpers -----------------------------------------------------------------------
 
-    async def collect(self, streams: list[RequestStream]) -> tuple[
+    async def collect(self, streams: list[RequestStream],
+                      prompt_logprobs: dict[int, list[TokenLogprobs | None]] | None = None) -> tuple[
             dict[tuple[int, int], CompletionOutput], dict[tuple[int, int], list[TokenLogprobs]]]:
-        """Run streams to the end: the last output of every completion and all its logprobs."""
+        """Run streams to the end: the last output of every completion and all its logprobs
+        (and into `prompt_logprobs`, each stream's prompt logprobs, when it has them)."""
         finals: dict[tuple[int, int], CompletionOutput] = {}
         logprobs: dict[tuple[int, int], list[TokenLogprobs]] = {}
         try:
             async with contextlib.aclosing(merge_streams(streams)) as outputs:
                 async for i, output in outputs:
+                    if prompt_logprobs is not None and output.prompt_logprobs is not None:
+                        prompt_logprobs[i] = output.prompt_logprobs
                     for completion in output.outputs:
                         finals[(i, completion.index)] = completion
                         logprobs.setdefault((i, completion.index), []).extend(completion.delta_logprobs or [])
