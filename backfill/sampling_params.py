@@ -108,6 +108,8 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # Only these token ids may be sampled (vLLM's allowed_token_ids); None: any.
+    allowed_token_ids: list[int] | None = None
     logprobs: int | None = None  # top-N alternatives per generated token (0: chosen token only)
     # Logprobs of the prompt's own tokens (each after the first), with top-N alternatives (0: the
     # prompt token only). Costs the LM head on every prompt position; such a request computes
@@ -178,6 +180,11 @@ class SamplingParams:
             ):
                 _fail("stop_token_ids", "must be a list of non-negative token ids")
         self.stop_token_id_set = frozenset(self.stop_token_ids or ())
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids
+            ):
+                _fail("allowed_token_ids", "must be a non-empty list of non-negative token ids")
         if not isinstance(self.ignore_eos, bool):
             _fail("ignore_eos", "must be a boolean")
         if self.logprobs is not None:

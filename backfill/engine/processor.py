@@ -45,9 +45,10 @@ class InputProcessor:
         """
         prompt_text, prompt_token_ids = self._encode_prompt(prompt)
         self._check_lengths(prompt_token_ids, params)
-        for token_id in params.logit_bias or {}:
-            if token_id >= self.vocab_size:
-                raise ValueError(f"logit_bias: token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+            for token_id in ids:
+                if token_id >= self.vocab_size:
+                    raise ValueError(f"{name}: token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
         sequences = []
         for index in range(params.n):
             seq_params = params

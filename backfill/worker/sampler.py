@@ -4,6 +4,7 @@ Per call, in order (vLLM semantics, batched over rows):
   raw logprobs  log_softmax of the model's logits, for rows that asked (vLLM's "raw" mode)
   penalties     repetition (prompt or output tokens), frequency (x output count), presence
   logit_bias    added to the listed token ids
+  allowed ids   every other token masked (allowed_token_ids)
   min_tokens    stop_token_ids (and EOS unless ignore_eos) masked while outputs < min_tokens
   greedy        temperature 0: argmax of the processed logits
   random        / temperature, top_k, top_p, min_p, then inverse-CDF sampling: one uniform draw
@@ -77,6 +78,8 @@ class _BatchPlan:
     presence: torch.Tensor | None  # [P, 1]; None when every row's is 0
     bias_index: tuple[torch.Tensor, torch.Tensor] | None  # ([B] rows, [B] token ids)
     bias_values: torch.Tensor | None  # [B]
+    allowed_rows: torch.Tensor | None  # [A] int64 rows with allowed_token_ids; None when none
+    allowed_mask: torch.Tensor | None  # [A, V] bool: True where the row may sample the token
     min_tokens_rows: list[int]  # rows whose request has a min_tokens to enforce
     seeded_rows: list[int]  # random rows that draw from their own generator
     logprobs_rows: list[int]  # rows that asked for logprobs
@@ -121,10 +124,10 @@ class Sampler:
         """Register a request. Raises ValueError if its logit_bias names a token outside the vocabulary."""
         if request_id in self._requests:
             return
-        if params.logit_bias:
-            bad = [t for t in params.logit_bias if t >= self.vocab_size]
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
             if bad:
-                raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
         greedy = params.temperature < GREEDY_TEMPERATURE_EPS
         generator = None
         if params.seed is not None and not greedy:
@@ -250,6 +253,14 @@ class Sampler:
             )
             bias_values = torch.tensor(bias_vals, dtype=torch.float32, device=device)  # [B]
 
+        rows = [i for i, s in enumerate(states) if s.params.allowed_token_ids is not None]
+        allowed_rows = allowed_mask = None
+        if rows:
+            allowed_rows = torch.tensor(rows, dtype=torch.long, device=device)  # [A]
+            allowed_mask = torch.zeros((len(rows), vocab), dtype=torch.bool, device=device)  # [A, V]
+            for j, i in enumerate(rows):
+                allowed_mask[j, states[i].params.allowed_token_ids] = True
+
         logprobs_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         return _BatchPlan(
             request_ids=key,
@@ -268,6 +279,8 @@ class Sampler:
             presence=presence,
             bias_index=bias_index,
             bias_values=bias_values,
+            allowed_rows=allowed_rows,
+            allowed_mask=allowed_mask,
             min_tokens_rows=[i for i, s in enumerate(states) if s.min_tokens_ids],
             seeded_rows=[i for i, s in enumerate(states) if s.generator is not None],
             logprobs_rows=logprobs_rows,
@@ -278,7 +291,8 @@ class Sampler:
     # -- per call -------------------------------------------------------------------------------
 
     def _process(self, plan: _BatchPlan, logits: torch.Tensor) -> torch.Tensor:
-        """Penalties, then logit_bias, then min_tokens; returns `logits` itself when none apply."""
+        """Penalties, then logit_bias, allowed_token_ids and min_tokens; returns `logits` itself
+        when none apply."""
         mask_rows: list[int] = []
         mask_ids: list[int] = []
         for row in plan.min_tokens_rows:
@@ -286,7 +300,7 @@ class Sampler:
             if state.num_output_tokens < state.params.min_tokens:
                 mask_rows += [row] * len(state.min_tokens_ids)
                 mask_ids += state.min_tokens_ids
-        if plan.penalty_rows is None and plan.bias_index is None and not mask_rows:
+        if plan.penalty_rows is None and plan.bias_index is None and plan.allowed_rows is None and not mask_rows:
             return logits
         logits = logits.clone()  # [S, V]
         if plan.penalty_rows is not None:
@@ -306,6 +320,9 @@ class Sampler:
         if plan.bias_index is not None:
             assert plan.bias_values is not None
             logits.index_put_(plan.bias_index, plan.bias_values, accumulate=True)
+        if plan.allowed_rows is not None:
+            assert plan.allowed_mask is not None
+            logits[plan.allowed_rows] = logits[plan.allowed_rows].masked_fill(~plan.allowed_mask, float("-inf"))
         if mask_rows:
             rows_t = torch.tensor(mask_rows, dtype=torch.long, device=self.device)  # [M]
             ids_t = torch.tensor(mask_ids, dtype=torch.long, device=self.device)  # [M]

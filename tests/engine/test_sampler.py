@@ -427,7 +427,30 @@ def test_logit_bias_outside_the_vocabulary_is_rejected(device: torch.device) -> 
     sampler = make_sampler(device, 8)
     with pytest.raises(ValueError, match="^logit_bias"):
         sampler.add_request("r", SamplingParams(logit_bias={8: 1.0}), [0])
+    with pytest.raises(ValueError, match="^allowed_token_ids"):
+        sampler.add_request("r", SamplingParams(allowed_token_ids=[1, 8]), [0])
     assert sampler.num_requests == 0
+
+
+def test_allowed_token_ids_limit_their_rows_only(device: torch.device) -> None:
+    """Greedy and random rows pick only allowed ids (the best of them when greedy), beside a row
+    without the limit; raw logprobs stay those of the model's logits."""
+    sampler = make_sampler(device, 64)
+    allowed = [3, 17, 40]
+    sampler.add_request("greedy", SamplingParams(temperature=0.0, allowed_token_ids=allowed, logprobs=1), [0])
+    sampler.add_request("random", SamplingParams(temperature=1.5, allowed_token_ids=allowed, seed=3), [0])
+    sampler.add_request("free", SamplingParams(temperature=0.0), [0])
+    seen = set()
+    for step in range(40):
+        logits = random_logits(3, 64, seed=step).to(device)
+        out = sampler.sample(["greedy", "random", "free"], logits)
+        best_allowed = allowed[int(logits[0, allowed].argmax())]
+        assert out.token_ids[0] == best_allowed and out.token_ids[1] in allowed
+        assert out.token_ids[2] == int(logits[2].argmax())
+        assert out.logprobs is not None and out.logprobs[0] is not None
+        assert out.logprobs[0].logprob == pytest.approx(float(logits[0].log_softmax(-1)[best_allowed]))
+        seen.add(out.token_ids[1])
+    assert seen == set(allowed)  # each allowed id is drawn (temperature 1.5, 40 draws)
 
 
 def test_batch_composition_changes_between_calls(device: torch.device) -> None:

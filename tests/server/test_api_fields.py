@@ -40,7 +40,8 @@ REFUSED: list[tuple[str, str, dict[str, Any], str]] = [
     ("prompt-logprobs-over-20", C, completion(prompt_logprobs=21), "prompt_logprobs"),
     ("logits-processors", C, completion(logits_processors=["my.module:Processor"]), "logits_processors"),
     ("beam-search", C, completion(use_beam_search=True), "use_beam_search"),
-    ("allowed-token-ids", C, completion(allowed_token_ids=[1, 2]), "allowed_token_ids"),
+    ("allowed-token-ids-empty", C, completion(allowed_token_ids=[]), "allowed_token_ids"),
+    ("allowed-token-ids-outside", CH, chat(allowed_token_ids=[1, 10**9]), "allowed_token_ids"),
     ("bad-words", CH, chat(bad_words=["Paris"]), "bad_words"),
     ("truncate-prompt-tokens", C, completion(truncate_prompt_tokens=5), "truncate_prompt_tokens"),
     ("whitespace-pattern", C, completion(guided_json={"type": "object"}, guided_whitespace_pattern=" "),
@@ -265,3 +266,17 @@ def test_openapi_shows_the_request_schemas(server: ServerProcess) -> None:
     assert {"messages", "response_format", "continue_final_message"} <= set(schemas["ChatCompletionRequest"]["properties"])
     refs = re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(spec))
     assert set(refs) <= set(schemas)
+
+
+def test_allowed_token_ids_are_all_that_is_sampled(server: ServerProcess) -> None:
+    ids = [post(server, "/tokenize", {"prompt": word, "add_special_tokens": False}).json()["tokens"]
+           for word in (" yes", " no")]
+    assert all(len(token_ids) == 1 for token_ids in ids)
+    allowed = [token_ids[0] for token_ids in ids]
+    body = completion(prompt="Is the sky blue? Answer:", max_tokens=5, temperature=1.0, n=4, seed=1,
+                      allowed_token_ids=allowed, logprobs=0)
+    response = post(server, C, body)
+    assert response.status_code == 200, response.text
+    for choice in response.json()["choices"]:
+        assert choice["logprobs"]["tokens"] and set(choice["logprobs"]["tokens"]) <= {" yes", " no"}
+        assert choice["text"] == "".join(choice["logprobs"]["tokens"])

@@ -31,8 +31,6 @@ MAX_PRIORITY = 1000
 UNSUPPORTED_FIELDS = {
     "logits_processors": "custom logits processors are not supported by this server",
     "use_beam_search": "beam search is not supported by this server",
-    "allowed_token_ids": "allowed_token_ids is not supported by this server; constrain the output with "
-                         "guided_choice or structured_outputs instead",
     "bad_words": "bad_words is not supported by this server; use logit_bias",
     "truncate_prompt_tokens": "prompt truncation is not supported by this server",
     "guided_whitespace_pattern": "a custom whitespace pattern is not supported (JSON output is compact)",
@@ -161,6 +159,7 @@ class SamplingFields(refused_fields("UnsupportedFields", UNSUPPORTED_FIELDS)):
     # the request then computes its whole prompt: no prefix-cache hit).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)  # only these may be sampled
     priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # lower runs first
     # backfill extension: seconds from arrival (queueing included) before the request ends with a
     # 408 `request_timeout` error; null: the server's --request-timeout

@@ -211,14 +211,16 @@ class OpenAIServing:
                     raise bad_request(f"logit_bias: {key[:20]!r} is not a token id in [0, {self.vocab_size})",
                                       "logit_bias")
                 bias[int(key)] = value
-        if request.stop_token_ids and any(not 0 <= t < self.vocab_size for t in request.stop_token_ids):
-            raise bad_request(f"stop_token_ids: token ids must be in [0, {self.vocab_size})", "stop_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if any(not 0 <= t < self.vocab_size for t in getattr(request, name) or ()):
+                raise bad_request(f"{name}: token ids must be in [0, {self.vocab_size})", name)
         fields: dict[str, Any] = {
             "n": request.n, "temperature": request.temperature, "top_p": request.top_p,
             "top_k": request.top_k, "min_p": request.min_p, "presence_penalty": request.presence_penalty,
             "frequency_penalty": request.frequency_penalty, "repetition_penalty": request.repetition_penalty,
             "logit_bias": bias, "seed": request.seed, "min_tokens": request.min_tokens, "stop": request.stop,
             "stop_token_ids": request.stop_token_ids, "ignore_eos": request.ignore_eos, "logprobs": logprobs,
+            "allowed_token_ids": request.allowed_token_ids,
             "include_stop_str_in_output": request.include_stop_str_in_output,
             "skip_special_tokens": request.skip_special_tokens, "structured_outputs": constraint,
             "prompt_logprobs": prompt_logprobs,
