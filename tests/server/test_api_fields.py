@@ -41,9 +41,11 @@ REFUSED: list[tuple[str, str, dict[str, Any], str]] = [
     ("logits-processors", C, completion(logits_processors=["my.module:Processor"]), "logits_processors"),
     ("beam-search", C, completion(use_beam_search=True), "use_beam_search"),
     ("allowed-token-ids-empty", C, completion(allowed_token_ids=[]), "allowed_token_ids"),
+    ("truncate-zero", C, completion(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    ("truncate-below-minus-one", CH, chat(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    ("truncate-over-context", C, completion(truncate_prompt_tokens=10**6), "truncate_prompt_tokens"),
     ("allowed-token-ids-outside", CH, chat(allowed_token_ids=[1, 10**9]), "allowed_token_ids"),
     ("bad-words", CH, chat(bad_words=["Paris"]), "bad_words"),
-    ("truncate-prompt-tokens", C, completion(truncate_prompt_tokens=5), "truncate_prompt_tokens"),
     ("whitespace-pattern", C, completion(guided_json={"type": "object"}, guided_whitespace_pattern=" "),
      "guided_whitespace_pattern"),
     ("structural-tag", CH, chat(structural_tag={"structures": []}), "structural_tag"),
@@ -280,3 +282,22 @@ def test_allowed_token_ids_are_all_that_is_sampled(server: ServerProcess) -> Non
     for choice in response.json()["choices"]:
         assert choice["logprobs"]["tokens"] and set(choice["logprobs"]["tokens"]) <= {" yes", " no"}
         assert choice["text"] == "".join(choice["logprobs"]["tokens"])
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server: ServerProcess) -> None:
+    prompt = "one two three four five six seven eight nine ten"
+    ids = post(server, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    body = completion(prompt=prompt, max_tokens=2, temperature=0, echo=True, truncate_prompt_tokens=4)
+    result = post(server, C, body).json()
+    kept = post(server, "/detokenize", {"tokens": ids[-4:]}).json()["prompt"]
+    assert result["usage"]["prompt_tokens"] == 4 and result["choices"][0]["text"].startswith(kept)
+    alone = post(server, C, completion(prompt=ids[-4:], max_tokens=2, temperature=0)).json()
+    assert result["choices"][0]["text"] == kept + alone["choices"][0]["text"]
+    # -1: whatever the context leaves after max_tokens (a prompt longer than the context is cut).
+    context = httpx.get(server.v1 + "/models", headers=AUTH).json()["data"][0]["max_model_len"]
+    stop_at_once = {"allowed_token_ids": [ids[2]], "stop_token_ids": [ids[2]]}  # one token, whatever max_tokens
+    long = post(server, C, completion(prompt=[ids[1]] * (context + 100), max_tokens=context - 16,
+                                      truncate_prompt_tokens=-1, **stop_at_once))
+    assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == 16
+    chat_body = chat(truncate_prompt_tokens=5, max_tokens=1)
+    assert post(server, CH, chat_body).json()["usage"]["prompt_tokens"] == 5

@@ -32,7 +32,6 @@ UNSUPPORTED_FIELDS = {
     "logits_processors": "custom logits processors are not supported by this server",
     "use_beam_search": "beam search is not supported by this server",
     "bad_words": "bad_words is not supported by this server; use logit_bias",
-    "truncate_prompt_tokens": "prompt truncation is not supported by this server",
     "guided_whitespace_pattern": "a custom whitespace pattern is not supported (JSON output is compact)",
     "structural_tag": "structural tags are not supported by this server",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported by this server",
@@ -160,6 +159,8 @@ class SamplingFields(refused_fields("UnsupportedFields", UNSUPPORTED_FIELDS)):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # only these may be sampled
+    # Keep only the prompt's last k tokens; -1: as many as the context leaves room for.
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # lower runs first
     # backfill extension: seconds from arrival (queueing included) before the request ends with a
     # 408 `request_timeout` error; null: the server's --request-timeout

@@ -248,6 +248,18 @@ class OpenAIServing:
             raise bad_request(f"n: {num_prompts} prompt(s) x n={n} would make {num_prompts * (n or 1)} sequences; "
                               f"this server takes at most {limit} per request", "n")
 
+    def _truncate(self, token_ids: list[int], keep: int | None, max_tokens: int | None) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the last `keep` tokens (-1: as many as leave room in
+        the context for max_tokens, or for one token)."""
+        if keep is None:
+            return token_ids
+        if keep == 0 or keep > self.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens: must be -1 or in [1, {self.max_model_len}] (the context "
+                              f"length), got {keep}", "truncate_prompt_tokens")
+        if keep == -1:
+            keep = max(1, self.max_model_len - max(max_tokens or 1, 1))
+        return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
     def _check_prompt(self, token_ids: list[int], param: str) -> None:
         if not token_ids:
             raise bad_request(f"{param}: the prompt encodes to no tokens", param)
@@ -303,8 +315,9 @@ class OpenAIServing:
         prompts = []
         for item in items:
             ids = await self._encode(item) if isinstance(item, str) else list(item)
-            self._check_prompt(ids, "prompt")
-            prompts.append(_Prompt(item if isinstance(item, str) else None, ids))
+            kept = self._truncate(ids, request.truncate_prompt_tokens, request.max_tokens)
+            self._check_prompt(kept, "prompt")
+            prompts.append(_Prompt(item if isinstance(item, str) and kept is ids else None, kept))
         constraint = await self._output_constraint(request)
         # max_tokens 0 (with echo): one token is generated and dropped, as vLLM does.
         params = self._sampling_params(request, request.max_tokens or (None if request.max_tokens is None else 1),
@@ -484,8 +497,11 @@ class OpenAIServing:
         request.check()
         self._check_fan_out(1, request.n)
         text, ids = await self.render_chat(request, tool_plan)
-        self._check_prompt(ids, "messages")
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if request.truncate_prompt_tokens is not None:
+            ids = self._truncate(ids, request.truncate_prompt_tokens, max_tokens)
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        self._check_prompt(ids, "messages")
         num_top = (request.top_logprobs or 0) if request.logprobs else None
         renames = {"max_tokens": request.max_tokens_param, "logprobs": "top_logprobs", "prompt": "messages"}
         constraint = await self._output_constraint(request, tool_plan)
