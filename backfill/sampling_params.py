@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
+# bad_words: checked against every sequence's output at every step, so bounded.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_CHARS = 8192
 # A grammar's source text (a JSON schema once serialized, a regex, a Lark/GBNF grammar, the
 # choices together): what one request may ask the grammar engine to compile. Compiling is
 # bounded by llguidance's parser limits too (`backfill/structured_output`).
@@ -110,6 +113,11 @@ class SamplingParams:
     ignore_eos: bool = False
     # Only these token ids may be sampled (vLLM's allowed_token_ids); None: any.
     allowed_token_ids: list[int] | None = None
+    # Words never generated (vLLM's bad_words): each word's tokens, with and without a leading
+    # space, are `bad_words_token_ids` (set from the tokenizer by the InputProcessor); a word's
+    # last token is masked whenever the output ends with the tokens before it.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     logprobs: int | None = None  # top-N alternatives per generated token (0: chosen token only)
     # Logprobs of the prompt's own tokens (each after the first), with top-N alternatives (0: the
     # prompt token only). Costs the LM head on every prompt position; such a request computes
@@ -180,6 +188,11 @@ class SamplingParams:
             ):
                 _fail("stop_token_ids", "must be a list of non-negative token ids")
         self.stop_token_id_set = frozenset(self.stop_token_ids or ())
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                _fail("bad_words", "must be a list of non-blank strings")
+            if len(self.bad_words) > MAX_BAD_WORDS or sum(len(w) for w in self.bad_words) > MAX_BAD_WORDS_CHARS:
+                _fail("bad_words", f"at most {MAX_BAD_WORDS} words of {MAX_BAD_WORDS_CHARS} characters together")
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids

@@ -49,6 +49,8 @@ class InputProcessor:
             for token_id in ids:
                 if token_id >= self.vocab_size:
                     raise ValueError(f"{name}: token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = replace(params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         sequences = []
         for index in range(params.n):
             seq_params = params
@@ -67,6 +69,16 @@ class InputProcessor:
                 deadline=deadline,
             ))
         return ProcessedRequest(request_id, prompt_text, prompt_token_ids, params, arrival_time, sequences)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as written and after a space (the word mid-text), as vLLM bans them."""
+        found: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
 
     def _encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

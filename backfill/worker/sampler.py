@@ -5,6 +5,7 @@ Per call, in order (vLLM semantics, batched over rows):
   penalties     repetition (prompt or output tokens), frequency (x output count), presence
   logit_bias    added to the listed token ids
   allowed ids   every other token masked (allowed_token_ids)
+  bad_words     a word's last token masked where the output ends with the tokens before it
   min_tokens    stop_token_ids (and EOS unless ignore_eos) masked while outputs < min_tokens
   greedy        temperature 0: argmax of the processed logits
   random        / temperature, top_k, top_p, min_p, then inverse-CDF sampling: one uniform draw
@@ -56,6 +57,17 @@ class _RequestState:
     penalty_slot: int  # its row in the sampler's count tables; -1 when it uses no penalty
     min_tokens_ids: list[int]  # masked while num_output_tokens < params.min_tokens
     num_output_tokens: int = 0  # counted only for requests with min_tokens_ids
+    # bad_words: each word's tokens, and the output's last tokens (as many as the longest word's
+    # less one); None when the request has none.
+    bad_words: list[list[int]] | None = None
+    recent: list[int] | None = None
+
+    def banned(self) -> list[int]:
+        """The last token of every bad word whose other tokens end the output so far."""
+        assert self.bad_words is not None and self.recent is not None
+        recent = self.recent
+        return [word[-1] for word in self.bad_words
+                if len(word) == 1 or (len(word) - 1 <= len(recent) and recent[len(recent) - len(word) + 1:] == word[:-1])]
 
 
 @dataclass
@@ -81,6 +93,7 @@ class _BatchPlan:
     allowed_rows: torch.Tensor | None  # [A] int64 rows with allowed_token_ids; None when none
     allowed_mask: torch.Tensor | None  # [A, V] bool: True where the row may sample the token
     min_tokens_rows: list[int]  # rows whose request has a min_tokens to enforce
+    bad_words_rows: list[int]  # rows whose request has bad_words
     seeded_rows: list[int]  # random rows that draw from their own generator
     logprobs_rows: list[int]  # rows that asked for logprobs
     logprobs_index: torch.Tensor | None  # [L] int64, the same rows as a tensor
@@ -124,7 +137,9 @@ class Sampler:
         """Register a request. Raises ValueError if its logit_bias names a token outside the vocabulary."""
         if request_id in self._requests:
             return
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+        bad_words = [t for word in params.bad_words_token_ids or () for t in word]
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("bad_words", bad_words)):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
@@ -147,7 +162,9 @@ class Sampler:
             if not params.ignore_eos:
                 stop_ids += self.eos_token_ids
             min_tokens_ids = [t for t in dict.fromkeys(stop_ids) if t < self.vocab_size]
-        self._requests[request_id] = _RequestState(params, greedy, generator, slot, min_tokens_ids)
+        bad_words = params.bad_words_token_ids or None
+        self._requests[request_id] = _RequestState(params, greedy, generator, slot, min_tokens_ids,
+                                                   bad_words=bad_words, recent=[] if bad_words else None)
         self._plan = None
 
     def remove_request(self, request_id: str) -> None:
@@ -282,6 +299,7 @@ class Sampler:
             allowed_rows=allowed_rows,
             allowed_mask=allowed_mask,
             min_tokens_rows=[i for i, s in enumerate(states) if s.min_tokens_ids],
+            bad_words_rows=[i for i, s in enumerate(states) if s.bad_words],
             seeded_rows=[i for i, s in enumerate(states) if s.generator is not None],
             logprobs_rows=logprobs_rows,
             logprobs_index=torch.tensor(logprobs_rows, dtype=torch.long, device=device) if logprobs_rows else None,
@@ -300,6 +318,10 @@ class Sampler:
             if state.num_output_tokens < state.params.min_tokens:
                 mask_rows += [row] * len(state.min_tokens_ids)
                 mask_ids += state.min_tokens_ids
+        for row in plan.bad_words_rows:
+            banned = plan.states[row].banned()
+            mask_rows += [row] * len(banned)
+            mask_ids += banned
         if plan.penalty_rows is None and plan.bias_index is None and plan.allowed_rows is None and not mask_rows:
             return logits
         logits = logits.clone()  # [S, V]
@@ -394,6 +416,15 @@ class Sampler:
             self._output_counts.index_put_((plan.penalty_slots, tokens[plan.penalty_rows]), ones, accumulate=True)
         for row in plan.min_tokens_rows:
             plan.states[row].num_output_tokens += 1
+        if plan.bad_words_rows:
+            token_ids = tokens.tolist()
+            for row in plan.bad_words_rows:
+                state = plan.states[row]
+                assert state.recent is not None and state.bad_words is not None
+                state.recent.append(token_ids[row])
+                excess = len(state.recent) - max(len(word) for word in state.bad_words) + 1
+                if excess > 0:
+                    del state.recent[:excess]
 
     def _logprobs(self, plan: _BatchPlan, logits: torch.Tensor, tokens: torch.Tensor) -> list[TokenLogprobs | None]:
         """Raw logprobs (log_softmax of the model's logits) of the chosen and the top-N tokens."""

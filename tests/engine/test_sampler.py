@@ -534,3 +534,20 @@ def test_grammar_bitmask_limits_constrained_rows_only(device: torch.device, para
         assert out.token_ids[0] in allowed["a"] and out.token_ids[2] == 32
         free.append(out.token_ids[1])
     assert any(token not in allowed["a"] | allowed["c"] for token in free)  # row b is unconstrained
+
+
+def test_bad_words_mask_a_words_last_token_after_the_rest(device: torch.device) -> None:
+    """Word [5] is never picked; word [7, 9] only after 7; word [3, 4, 6] only after 3, 4."""
+    logits = torch.zeros((1, 16))
+    logits[0, 5], logits[0, 9], logits[0, 6], logits[0, 8] = 9.0, 8.0, 7.0, 1.0
+    sampler = make_sampler(device, 16)
+    params = SamplingParams(temperature=0.0, bad_words=["x"], bad_words_token_ids=[[5], [7, 9], [3, 4, 6]])
+    sampler.add_request("r", params, [0])
+    picked = []
+    for forced in (7, None, 3, 4, None, 4, None):
+        step = logits.clone()
+        if forced is not None:  # steer the output onto a word's first tokens
+            step[0, forced] = 20.0
+        picked.append(sampler.sample(["r"], step.to(device)).token_ids[0])
+    # 5 never; 9 not right after 7 (6 instead); 6 not right after 3, 4 (9 instead)
+    assert picked == [7, 6, 3, 4, 9, 4, 9]

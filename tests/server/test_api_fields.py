@@ -45,7 +45,8 @@ REFUSED: list[tuple[str, str, dict[str, Any], str]] = [
     ("truncate-below-minus-one", CH, chat(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
     ("truncate-over-context", C, completion(truncate_prompt_tokens=10**6), "truncate_prompt_tokens"),
     ("allowed-token-ids-outside", CH, chat(allowed_token_ids=[1, 10**9]), "allowed_token_ids"),
-    ("bad-words", CH, chat(bad_words=["Paris"]), "bad_words"),
+    ("bad-words-blank", CH, chat(bad_words=["Paris", " "]), "bad_words"),
+    ("bad-words-too-many", C, completion(bad_words=["w"] * 129), "bad_words"),
     ("whitespace-pattern", C, completion(guided_json={"type": "object"}, guided_whitespace_pattern=" "),
      "guided_whitespace_pattern"),
     ("structural-tag", CH, chat(structural_tag={"structures": []}), "structural_tag"),
@@ -301,3 +302,12 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server: ServerProcess) -> 
     assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == 16
     chat_body = chat(truncate_prompt_tokens=5, max_tokens=1)
     assert post(server, CH, chat_body).json()["usage"]["prompt_tokens"] == 5
+
+
+def test_bad_words_are_never_generated(server: ServerProcess) -> None:
+    body = chat(messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=24,
+                temperature=0)
+    assert "Paris" in post(server, CH, body).json()["choices"][0]["message"]["content"]
+    for words in (["Paris"], ["Paris", "capital of"]):
+        text = post(server, CH, {**body, "bad_words": words}).json()["choices"][0]["message"]["content"]
+        assert text and not any(word in text for word in words), text

@@ -31,7 +31,6 @@ MAX_PRIORITY = 1000
 UNSUPPORTED_FIELDS = {
     "logits_processors": "custom logits processors are not supported by this server",
     "use_beam_search": "beam search is not supported by this server",
-    "bad_words": "bad_words is not supported by this server; use logit_bias",
     "guided_whitespace_pattern": "a custom whitespace pattern is not supported (JSON output is compact)",
     "structural_tag": "structural tags are not supported by this server",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported by this server",
@@ -159,6 +158,7 @@ class SamplingFields(refused_fields("UnsupportedFields", UNSUPPORTED_FIELDS)):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (SamplingParams.bad_words)
     # Keep only the prompt's last k tokens; -1: as many as the context leaves room for.
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # lower runs first

@@ -220,7 +220,7 @@ class OpenAIServing:
             "frequency_penalty": request.frequency_penalty, "repetition_penalty": request.repetition_penalty,
             "logit_bias": bias, "seed": request.seed, "min_tokens": request.min_tokens, "stop": request.stop,
             "stop_token_ids": request.stop_token_ids, "ignore_eos": request.ignore_eos, "logprobs": logprobs,
-            "allowed_token_ids": request.allowed_token_ids,
+            "allowed_token_ids": request.allowed_token_ids, "bad_words": request.bad_words,
             "include_stop_str_in_output": request.include_stop_str_in_output,
             "skip_special_tokens": request.skip_special_tokens, "structured_outputs": constraint,
             "prompt_logprobs": prompt_logprobs,
