@@ -50,7 +50,6 @@ REFUSED: list[tuple[str, str, dict[str, Any], str]] = [
     ("whitespace-pattern", C, completion(guided_json={"type": "object"}, guided_whitespace_pattern=" "),
      "guided_whitespace_pattern"),
     ("structural-tag", CH, chat(structural_tag={"structures": []}), "structural_tag"),
-    ("tokens-as-ids", C, completion(return_tokens_as_token_ids=True), "return_tokens_as_token_ids"),
     ("decoding-backend", C, completion(guided_regex="a+", guided_decoding_backend="xgrammar"),
      "guided_decoding_backend"),
     ("chat-echo", CH, chat(echo=True), "echo"),
@@ -311,3 +310,19 @@ def test_bad_words_are_never_generated(server: ServerProcess) -> None:
     for words in (["Paris"], ["Paris", "capital of"]):
         text = post(server, CH, {**body, "bad_words": words}).json()["choices"][0]["message"]["content"]
         assert text and not any(word in text for word in words), text
+
+
+def test_return_tokens_as_token_ids(server: ServerProcess) -> None:
+    fields = {"max_tokens": 4, "temperature": 0, "return_tokens_as_token_ids": True}
+    text_form = post(server, C, completion(max_tokens=4, temperature=0, logprobs=2)).json()["choices"][0]
+    result = post(server, C, completion(logprobs=2, echo=True, **fields)).json()["choices"][0]
+    tokens = result["logprobs"]["tokens"]
+    ids = [int(token.removeprefix("token_id:")) for token in tokens]
+    assert all(token.startswith("token_id:") for token in tokens)
+    shown = post(server, "/detokenize", {"tokens": ids}).json()["prompt"]
+    assert shown == result["text"] and result["text"].endswith(text_form["text"])
+    assert all(key.startswith("token_id:") for top in result["logprobs"]["top_logprobs"][1:] for key in top)
+    chat_result = post(server, CH, chat(logprobs=True, top_logprobs=1, **fields)).json()["choices"][0]
+    for entry in chat_result["logprobs"]["content"]:
+        assert entry["token"].startswith("token_id:") and entry["bytes"] == list(entry["token"].encode())
+        assert all(top["token"].startswith("token_id:") for top in entry["top_logprobs"])

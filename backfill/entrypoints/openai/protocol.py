@@ -33,7 +33,6 @@ UNSUPPORTED_FIELDS = {
     "use_beam_search": "beam search is not supported by this server",
     "guided_whitespace_pattern": "a custom whitespace pattern is not supported (JSON output is compact)",
     "structural_tag": "structural tags are not supported by this server",
-    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported by this server",
     "functions": "legacy function calling is not supported; use tools and tool_choice",
 }
 UNSUPPORTED_CHAT_FIELDS = {
@@ -159,6 +158,7 @@ class SamplingFields(refused_fields("UnsupportedFields", UNSUPPORTED_FIELDS)):
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # only these may be sampled
     bad_words: list[str] | None = None  # never generated (SamplingParams.bad_words)
+    return_tokens_as_token_ids: bool | None = None  # logprobs show tokens as "token_id:<id>"
     # Keep only the prompt's last k tokens; -1: as many as the context leaves room for.
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # lower runs first

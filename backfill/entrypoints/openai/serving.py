@@ -30,7 +30,7 @@ from backfill.entrypoints.openai.protocol import (
     CompletionResponse, PromptLogprobs, PromptTokensDetails, SamplingFields, TokenLogprob, TopLogprob, UsageInfo,
     constraint_error)
 from backfill.entrypoints.openai.wire import APIError, bad_request
-from backfill.entrypoints.openai.token_text import TokenText
+from backfill.entrypoints.openai.token_text import TokenIds, TokenText
 from backfill.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan, plan_tools, prompt_messages
 from backfill.outputs import CompletionOutput, RequestOutput
 from backfill.sampling_params import SamplingParams, StructuredOutputsParams
@@ -63,6 +63,7 @@ class _CompletionForm:
     echo_only: bool  # max_tokens 0: the prompt alone (the token generated is dropped)
     logprobs: int | None  # the legacy logprobs object, with this many alternatives
     prompt_logprobs: int | None  # vLLM's `prompt_logprobs` field, as asked for
+    names: TokenText | TokenIds  # how logprobs show a token
 
 
 def engine_error(error: BaseException, renames: dict[str, str] | None = None) -> APIError:
@@ -329,38 +330,42 @@ class OpenAIServing:
                 if prompt.text is None:
                     prompt.text = self.tokenizer.decode(prompt.token_ids)
         created = int(time.time())
-        form = _CompletionForm(bool(request.echo), request.max_tokens == 0, request.logprobs, request.prompt_logprobs)
+        form = _CompletionForm(bool(request.echo), request.max_tokens == 0, request.logprobs, request.prompt_logprobs,
+                               self.token_names(request))
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             lines = self._completion_stream(request_id, created, streams, prompts, params, form, include_usage)
             return SSEStream(lines, streams)
         return await self._completion_full(request_id, created, streams, prompts, params, form)
 
-    def _completion_logprobs(self, deltas: Sequence[TokenLogprobs], num_top: int,
-                             offset: int) -> tuple[CompletionLogprobs, int]:
-        """The legacy logprobs object of `deltas`, their text starting at `offset`; and the
-        offset after them."""
+    def _completion_logprobs(self, deltas: Sequence[TokenLogprobs], num_top: int, offset: int,
+                             names: TokenText | TokenIds) -> tuple[CompletionLogprobs, int]:
+        """The legacy logprobs object of `deltas` (tokens shown by `names`), their text starting
+        at `offset`; and the offset after them."""
         result = CompletionLogprobs()
         for entry in deltas:
-            text = self.token_text.text(entry.token_id)
+            text = names.text(entry.token_id)
             result.tokens.append(text)
             result.token_logprobs.append(entry.logprob)
-            top = {self.token_text.text(t): lp for t, lp in entry.top[:num_top]}
+            top = {names.text(t): lp for t, lp in entry.top[:num_top]}
             top.setdefault(text, entry.logprob)
             result.top_logprobs.append(top)
             result.text_offset.append(offset)
             offset += len(text)
         return result, offset
 
-    def _echo_logprobs(self, prompt: _Prompt, entries: list[TokenLogprobs | None], num_top: int) -> CompletionLogprobs:
+    def _echo_logprobs(self, prompt: _Prompt, entries: list[TokenLogprobs | None], num_top: int,
+                       names: TokenText | TokenIds) -> CompletionLogprobs:
         """An echoed prompt's logprobs object: its first token with null logprobs (nothing
         predicts it), then `entries[1:]`."""
-        first = self.token_text.text(prompt.token_ids[0])
-        rest, _ = self._completion_logprobs([entry for entry in entries[1:] if entry is not None], num_top, len(first))
+        first = names.text(prompt.token_ids[0])
+        rest, _ = self._completion_logprobs([entry for entry in entries[1:] if entry is not None], num_top, len(first),
+                                            names)
         return CompletionLogprobs(tokens=[first, *rest.tokens], token_logprobs=[None, *rest.token_logprobs],
                                   top_logprobs=[None, *rest.top_logprobs], text_offset=[0, *rest.text_offset])
 
-    def prompt_logprobs_json(self, entries: list[TokenLogprobs | None] | None) -> PromptLogprobs | None:
+    def prompt_logprobs_json(self, entries: list[TokenLogprobs | None] | None,
+                             names: TokenText | TokenIds) -> PromptLogprobs | None:
         """vLLM's `prompt_logprobs`: per prompt token, its id and the top alternatives' ids ->
         logprob, rank and text."""
         if entries is None:
@@ -371,10 +376,10 @@ class OpenAIServing:
                 out.append(None)
                 continue
             ranked = {str(entry.token_id): {"logprob": entry.logprob, "rank": entry.rank,
-                                            "decoded_token": self.token_text.text(entry.token_id)}}
+                                            "decoded_token": names.text(entry.token_id)}}
             for rank, (token_id, logprob) in enumerate(entry.top, start=1):
                 ranked.setdefault(str(token_id), {"logprob": logprob, "rank": rank,
-                                                  "decoded_token": self.token_text.text(token_id)})
+                                                  "decoded_token": names.text(token_id)})
             out.append(ranked)
         return out
 
@@ -387,11 +392,13 @@ class OpenAIServing:
         prefix = (prompt.text or "") if form.echo else ""
         lp = None
         if form.logprobs is not None:
-            lp = self._echo_logprobs(prompt, prompt_entries or [], form.logprobs) if form.echo else CompletionLogprobs()
-            rest, _ = self._completion_logprobs(deltas, form.logprobs, len(prefix))
+            lp = self._echo_logprobs(prompt, prompt_entries or [], form.logprobs, form.names) \
+                if form.echo else CompletionLogprobs()
+            rest, _ = self._completion_logprobs(deltas, form.logprobs, len(prefix), form.names)
             for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                 getattr(lp, key).extend(getattr(rest, key))
-        prompt_logprobs = self.prompt_logprobs_json(prompt_entries) if form.prompt_logprobs is not None else None
+        prompt_logprobs = self.prompt_logprobs_json(prompt_entries, form.names) \
+            if form.prompt_logprobs is not None else None
         return CompletionChoice(index=index, text=prefix + text, logprobs=lp, finish_reason=completion.finish_reason,
                                 prompt_logprobs=prompt_logprobs)
 
@@ -437,7 +444,8 @@ class OpenAIServing:
                         index = i * params.n + completion.index
                         if form.echo and not echo_now and index not in echoed:
                             echoed.add(index)
-                            lp = self._echo_logprobs(prompts[i], output.prompt_logprobs or [], form.logprobs or 0)
+                            lp = self._echo_logprobs(prompts[i], output.prompt_logprobs or [], form.logprobs or 0,
+                                                     form.names)
                             offsets[index] = len(prompts[i].text or "")
                             yield chunk(index, prompts[i].text or "", lp)
                         if form.echo_only:
@@ -448,7 +456,7 @@ class OpenAIServing:
                         lp = None
                         if params.logprobs is not None:
                             lp, offsets[index] = self._completion_logprobs(
-                                completion.delta_logprobs or [], params.logprobs, offsets.get(index, 0))
+                                completion.delta_logprobs or [], params.logprobs, offsets.get(index, 0), form.names)
                         if completion.delta_text or completion.finish_reason or (lp and lp.tokens):
                             yield chunk(index, completion.delta_text, lp, completion.finish_reason)
 
@@ -466,15 +474,16 @@ class OpenAIServing:
         tool_plan = plan_tools(request)
         prompts, params, streams = await self.start_chat(request, request_id, tool_plan)
         created = int(time.time())
+        names = self.token_names(request)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return SSEStream(self._chat_stream(request_id, created, streams[0], prompts, params, include_usage,
-                                               tool_plan), streams)
+                                               tool_plan, names), streams)
         prompt_entries: dict[int, list[TokenLogprobs | None]] = {}
         finals, logprobs = await self.collect(streams, prompt_entries)
         choices = []
         for (_, k), completion in sorted(finals.items()):
-            lp = self._chat_logprobs(logprobs[(0, k)], params.logprobs) if params.logprobs is not None else None
+            lp = self._chat_logprobs(logprobs[(0, k)], params.logprobs, names) if params.logprobs is not None else None
             message, finish_reason = AssistantMessage(content=completion.text), completion.finish_reason
             if tool_plan is not None:
                 content, calls = tool_plan.parse(completion.text)
@@ -484,7 +493,7 @@ class OpenAIServing:
         usage = self.usage(prompts, sum(len(c.token_ids) for c in finals.values()), streams)
         return ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name,
                                       choices=choices, usage=usage,
-                                      prompt_logprobs=self.prompt_logprobs_json(prompt_entries.get(0)))
+                                      prompt_logprobs=self.prompt_logprobs_json(prompt_entries.get(0), names))
 
     async def start_chat(self, request: ChatCompletionRequest, request_id: str,
                          tool_plan: ToolPlan | None = None) -> tuple[list[_Prompt], SamplingParams, list[RequestStream]]:
@@ -525,18 +534,23 @@ class OpenAIServing:
         except ValueError as error:
             raise value_error(error) from None
 
-    def _chat_logprobs(self, deltas: Sequence[TokenLogprobs], num_top: int) -> ChatLogprobs:
+    def token_names(self, request: SamplingFields) -> TokenText | TokenIds:
+        """How the request's logprobs show a token: its text, or `token_id:<id>`."""
+        return TokenIds() if request.return_tokens_as_token_ids else self.token_text
+
+    @staticmethod
+    def _chat_logprobs(deltas: Sequence[TokenLogprobs], num_top: int, names: TokenText | TokenIds) -> ChatLogprobs:
         content = []
         for entry in deltas:
-            top = [TopLogprob(token=self.token_text.text(t), logprob=lp, bytes=self.token_text.token_bytes(t))
+            top = [TopLogprob(token=names.text(t), logprob=lp, bytes=names.token_bytes(t))
                    for t, lp in entry.top[:num_top]]
-            content.append(TokenLogprob(token=self.token_text.text(entry.token_id), logprob=entry.logprob,
-                                        bytes=self.token_text.token_bytes(entry.token_id), top_logprobs=top))
+            content.append(TokenLogprob(token=names.text(entry.token_id), logprob=entry.logprob,
+                                        bytes=names.token_bytes(entry.token_id), top_logprobs=top))
         return ChatLogprobs(content=content)
 
     def _chat_stream(self, request_id: str, created: int, stream: RequestStream, prompts: list[_Prompt],
-                     params: SamplingParams, include_usage: bool,
-                     tool_plan: ToolPlan | None = None) -> AsyncGenerator[str, None]:
+                     params: SamplingParams, include_usage: bool, tool_plan: ToolPlan | None,
+                     names: TokenText | TokenIds) -> AsyncGenerator[str, None]:
         def chunk(index: int, delta: dict[str, Any], lp: ChatLogprobs | None = None,
                   finish: str | None = None) -> str:
             choice = ChatStreamChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish)
@@ -556,7 +570,7 @@ class OpenAIServing:
                     num_tokens[completion.index] = len(completion.token_ids)
                     lp = None
                     if params.logprobs is not None and completion.delta_logprobs:
-                        lp = self._chat_logprobs(completion.delta_logprobs, params.logprobs)
+                        lp = self._chat_logprobs(completion.delta_logprobs, params.logprobs, names)
                     finish_reason = completion.finish_reason
                     if tool_plan is None:
                         has_text = completion.delta_text or lp is not None

@@ -60,3 +60,15 @@ class TokenText:
 
     def token_bytes(self, token_id: int) -> list[int]:
         return self._lookup(token_id)[1]
+
+
+class TokenIds:
+    """Tokens shown as `token_id:<id>` (vLLM's `return_tokens_as_token_ids`): exact where a
+    token's text is ambiguous or not text at all. Same interface as TokenText."""
+
+    @staticmethod
+    def text(token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        return list(self.text(token_id).encode())
