@@ -15,6 +15,7 @@ from pydantic import TypeAdapter
 
 from backfill.entrypoints.openai.responses import ResponsesRequest
 from backfill.entrypoints.openai.responses_serving import OutputItems
+from backfill.entrypoints.openai.responses_store import ResponseStore
 from backfill.entrypoints.openai.tool_calls import plan_tools
 from tests.server.harness import API_KEY, MODEL, ServerProcess, engine_idle, wait_until
 
@@ -339,3 +340,77 @@ def test_langchain_on_the_responses_api_calls_and_sends_back_a_tool(server: Serv
     history = [HumanMessage(ASK_WEATHER), whole, ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])]
     answer = chat.bind_tools([get_weather]).invoke(history)
     assert answer.response_metadata["status"] in ("completed", "incomplete") and answer.content
+
+
+# ---- the store: previous_response_id, retrieve, input items, delete -----------------------------
+
+
+def test_a_continued_response_is_the_whole_conversation(client: openai.OpenAI) -> None:
+    """previous_response_id renders as the chat conversation of every turn (the earlier input and
+    output, then the new input): same prompt tokens, same greedy answer."""
+    first = client.responses.create(model=MODEL, input="My name is Ada.", instructions="Be brief.",
+                                    max_output_tokens=12, temperature=0)
+    assert first.store is True
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input="What is my name?",
+                                     max_output_tokens=12, temperature=0)
+    assert second.previous_response_id == first.id
+    messages: Any = [{"role": "user", "content": "My name is Ada."},  # instructions are not carried over
+                     {"role": "assistant", "content": first.output_text},
+                     {"role": "user", "content": "What is my name?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert second.usage is not None and chat.usage is not None
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.output_text == chat.choices[0].message.content
+    # A third turn, streamed, continues the second (whose history holds the first).
+    events = list(client.responses.create(model=MODEL, previous_response_id=second.id, input="Again?",
+                                          max_output_tokens=4, temperature=0, stream=True))
+    third = events[-1].response  # type: ignore[union-attr]
+    assert third.previous_response_id == second.id
+    assert client.responses.retrieve(third.id).output_text == third.output_text  # streamed ones are kept too
+    assert third.usage is not None and third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+
+
+def test_retrieve_list_input_items_and_delete(client: openai.OpenAI) -> None:
+    items: Any = [{"role": "user", "content": "One."}, {"role": "assistant", "content": "Two."},
+                  {"role": "user", "content": [{"type": "input_text", "text": "Three."}]}]
+    response = client.responses.create(model=MODEL, input=items, max_output_tokens=3, temperature=0)
+    kept = client.responses.retrieve(response.id)
+    assert kept.model_dump() == response.model_dump()
+    listed = list(client.responses.input_items.list(response.id, order="asc", limit=1))  # pages of one item
+    assert [(item.type, item.role, item.content[0].text) for item in listed] == [  # type: ignore[union-attr]
+        ("message", "user", "One."), ("message", "assistant", "Two."), ("message", "user", "Three.")]
+    newest = client.responses.input_items.list(response.id).data  # default order: newest first
+    assert [item.id for item in newest] == [item.id for item in listed][::-1]
+    client.responses.delete(response.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(response.id)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.create(model=MODEL, previous_response_id=response.id, input="Four.", max_output_tokens=2)
+    assert error.value.code == "previous_response_not_found" and error.value.param == "previous_response_id"
+
+
+def test_store_false_keeps_nothing(client: openai.OpenAI) -> None:
+    response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
+    assert response.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+
+
+def test_the_store_drops_the_least_recently_used_first() -> None:
+    store = ResponseStore(max_entries=3, max_bytes=10_000)
+
+    def put(response_id: str, text: str = "x") -> None:
+        store.put({"id": response_id}, [], [{"role": "user", "content": text}])
+
+    for name in "abc":
+        put(name)
+    assert store.get("a") is not None  # a is now the most recently used
+    put("d")
+    assert [name for name in "abcd" if store.get(name) is not None] == ["a", "c", "d"]
+    put("big", "y" * 9_940)  # ~9,990 bytes: with any other over the budget, so they go, oldest first
+    assert store.get("big") is not None and len(store) == 1
+    put("huge", "z" * 20_000)  # larger than the whole budget: not kept, nothing else dropped
+    assert store.get("huge") is None and store.get("big") is not None
+    assert ResponseStore(max_entries=0).max_entries == 0

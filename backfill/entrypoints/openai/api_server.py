@@ -47,6 +47,8 @@ from backfill.entrypoints.openai.protocol import ChatCompletionRequest, Completi
 from backfill.entrypoints.openai.wire import MAX_BODY_BYTES, APIError, parse_request, validation_error_to_api_error
 from backfill.entrypoints.openai.responses import ResponsesRequest
 from backfill.entrypoints.openai.responses_serving import ResponsesServing
+from backfill.entrypoints.openai.responses_store import DEFAULT_MAX_ENTRIES as DEFAULT_MAX_STORED_RESPONSES
+from backfill.entrypoints.openai.responses_store import ResponseStore
 from backfill.entrypoints.openai.serving import (DEFAULT_MAX_SEQS_PER_REQUEST, RETRY_AFTER_S, OpenAIServing,
                                                  SSEStream)
 from backfill.entrypoints.openai.tokenization import DetokenizeRequest, TokenizationServing, TokenizeRequest
@@ -216,14 +218,15 @@ async def run_unless_disconnected(request: Request, work: Awaitable[Any]) -> tup
 
 def build_app(core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer, *, served_model_name: str | None = None,
               api_key: str | None = None, max_queue: int | None = None, shutdown_timeout: float = 30.0,
-              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, price_per_hour: float | None = None) -> FastAPI:
+              max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, price_per_hour: float | None = None,
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
     """The ASGI app over a started engine core process, which the app stops when it ends.
 
     `app.state.drain()` stops admitting, waits up to `shutdown_timeout` s for in-flight calls,
     aborts the rest (their responses get ABORT_FLUSH_S to end), and returns; the caller then
     stops the HTTP server. If the core dies, `app.state.exit(1)` is called ENGINE_DEAD_EXIT_S
     later (the launcher sets it; by default nothing happens). `price_per_hour` (USD) prices
-    the dashboard's tokens.
+    the dashboard's tokens. `max_stored_responses`: the Responses API's store (0: none).
     """
     name = served_model_name or info.model_name
     metrics = ServerMetrics(name, info.max_num_seqs)
@@ -250,7 +253,7 @@ def build_app(core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer, *, served
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so refusals carry the id too
     add_request_schemas(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
                               DetokenizeRequest])
-    responses = ResponsesServing(serving)
+    responses = ResponsesServing(serving, ResponseStore(max_stored_responses))
     tokenization = TokenizationServing(serving)
     app.state.engine = async_engine
     app.state.metrics = metrics
@@ -362,6 +365,19 @@ def build_app(core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer, *, served
     async def create_response(request: Request) -> Response:
         body = parse_request(ResponsesRequest, await read_body(request))
         return await respond(request, responses.create_response(body))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return _json(responses.retrieve(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return _json(responses.delete(response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, limit: int = 20, order: str = "desc",
+                                   after: str | None = None) -> Response:
+        return _json(responses.input_items(response_id, limit, order, after))
 
     @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
     async def tokenize(request: Request) -> Response:

@@ -28,6 +28,7 @@ from backfill.config import EngineConfig
 from backfill.engine.core_process import CoreProcess, CoreStartError, make_engine_core
 from backfill.engine.messages import CoreInfo
 from backfill.entrypoints.openai.api_server import build_app
+from backfill.entrypoints.openai.responses_store import DEFAULT_MAX_ENTRIES
 from backfill.entrypoints.openai.serving import DEFAULT_MAX_SEQS_PER_REQUEST
 from backfill.entrypoints.ray_serve.options import add_ray_arguments
 from backfill.entrypoints.openai.transport import DEFAULT_READ_TIMEOUT_S, ReadTimeoutHttpProtocol, RedactSecretsFilter
@@ -55,6 +56,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences that find no free batch slot beyond which requests get 429 (default: no limit)")
     parser.add_argument("--max-seqs-per-request", type=int, default=DEFAULT_MAX_SEQS_PER_REQUEST,
                         help="most sequences (prompts x n) one request may create; more is a 400")
+    parser.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_ENTRIES,
+                        help="responses (/v1/responses with store) kept in memory for previous_response_id and "
+                             "GET /v1/responses/{id}, least recently used dropped first (also at most 256 MiB); "
+                             "0: none")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM; the process exits by then")
     parser.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
@@ -142,6 +147,7 @@ def check_server_args(args: argparse.Namespace) -> EngineConfig | None:
     """The engine config from the `backfill serve` options, or None (logged) when one is invalid."""
     for flag, value, ok in (("--max-queue", args.max_queue, args.max_queue is None or args.max_queue >= 1),
                             ("--max-seqs-per-request", args.max_seqs_per_request, args.max_seqs_per_request >= 1),
+                            ("--max-stored-responses", args.max_stored_responses, args.max_stored_responses >= 0),
                             ("--read-timeout", args.read_timeout, args.read_timeout > 0),
                             ("--shutdown-timeout", args.shutdown_timeout, args.shutdown_timeout >= 0),
                             ("--price-per-hour", args.price_per_hour,
@@ -181,7 +187,8 @@ def app_from_args(args: argparse.Namespace, core: CoreProcess, info: CoreInfo, t
     """build_app with the `backfill serve` options: the single server's app, and each Ray replica's."""
     return build_app(core, info, tokenizer, served_model_name=args.served_model_name, api_key=api_key_from_args(args),
                      max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
-                     max_seqs_per_request=args.max_seqs_per_request, price_per_hour=args.price_per_hour)
+                     max_seqs_per_request=args.max_seqs_per_request, price_per_hour=args.price_per_hour,
+                     max_stored_responses=args.max_stored_responses)
 
 
 def serve_app(app: FastAPI, args: argparse.Namespace, drain: Callable[[], Awaitable[None]]) -> tuple[int, bool]:
@@ -207,6 +214,10 @@ def run_server(args: argparse.Namespace) -> int:
         # NOTE: imported here only: the single-process server never imports Ray.
         from backfill.entrypoints.ray_serve.launcher import run_ray_server
 
+        if args.max_stored_responses:  # each replica would keep its own: a continuation could miss it
+            logger.info("the Responses API's store is off with replicas (each would keep its own): "
+                        "responses are not stored, send whole conversations")
+            args.max_stored_responses = 0
         return run_ray_server(args)
     config = check_server_args(args)
     if config is None:

@@ -7,9 +7,10 @@ and its calls parsed exactly as one (`tool_calls.py`). Input items are messages,
 `function_call` items (the model's earlier calls, sent back) and `function_call_output` items
 (their results): consecutive calls become one assistant turn with `tool_calls`, each result a
 `tool` turn. Output items are a `message` (the text, when there is any) then one
-`function_call` item per call. Nothing is stored: `previous_response_id`, `conversation` and
-`background` are refused, as are built-in tools (web search, files, ...), reasoning and the
-other fields that would change the result.
+`function_call` item per call. A stored response (`responses_store.py`) keeps its whole
+conversation as input items, so `previous_response_id` puts it before the request's input.
+`conversation` and `background` are refused, as are built-in tools (web search, files, ...),
+reasoning and the other fields that would change the result.
 
 Streaming sends OpenAI's events in OpenAI's order, each as `event: <type>` and `data: <json>`
 with a rising `sequence_number`: response.created, response.in_progress, then per output item
@@ -24,9 +25,10 @@ mid-stream ends it with an `error` event.
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator, model_validator
 
 from backfill.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatMessage, ChatTool, FunctionCall, FunctionDefinition, JSONSchemaFormat, ResponseFormat,
@@ -35,8 +37,8 @@ from backfill.entrypoints.openai.wire import ResponseModel, StrictModel
 
 # Responses API fields that would change the result and that this server does not honour.
 UNSUPPORTED_RESPONSE_FIELDS = {
-    "previous_response_id": "this server stores no responses: send the whole conversation as input",
-    "conversation": "this server stores no conversations: send the whole conversation as input",
+    "conversation": "conversations are not supported by this server: continue a response with "
+                    "previous_response_id, or send the whole conversation as input",
     "background": "background responses are not supported by this server",
     "reasoning": "this model does not reason: reasoning is not supported",
     "include": "no extra output data can be included by this server",
@@ -152,8 +154,11 @@ class ResponsesRequest(refused_fields("UnsupportedResponseFields", UNSUPPORTED_R
     tool_choice: Any = None  # "none" | "auto" | "required" | FunctionChoice, by _check_tool_choice
     parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = Field(None, ge=1)  # bounds built-in tools' calls: there are none here
+    # The store (responses_store.py): keep this response (OpenAI's default), or continue one kept.
+    store: bool | None = None
+    previous_response_id: str | None = None
     truncation: Literal["disabled"] | None = None  # "auto" would drop input: refused
-    # Accepted, and changing nothing: store (nothing is stored), metadata, user, service_tier, ...
+    # Accepted, and changing nothing: metadata, user, service_tier, ...
     metadata: dict[str, str] | None = None
 
     @field_validator("input")
@@ -176,24 +181,27 @@ class ResponsesRequest(refused_fields("UnsupportedResponseFields", UNSUPPORTED_R
         raise ValueError('must be "none", "auto", "required" or {"type": "function", "name": ...}: '
                          "this server has only function tools")
 
-    def to_chat(self) -> ChatCompletionRequest:
-        """The chat completion this request asks for."""
+    def items(self) -> list[InputItem]:
+        """`input` as items (a string is one user message)."""
+        return [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
+
+    def to_chat(self, history: list[InputItem] | None = None) -> ChatCompletionRequest:
+        """The chat completion this request asks for; `history`: the items of the response it
+        continues (its conversation), before this request's own. Instructions are this
+        request's only, as OpenAI does not carry them over."""
         messages = [] if self.instructions is None else [ChatMessage(role="system", content=self.instructions)]
-        if isinstance(self.input, str):
-            messages.append(ChatMessage(role="user", content=self.input))
-        else:
-            for item in self.input:
-                if isinstance(item, InputMessage):
-                    messages.append(ChatMessage(role=item.role, content=item.text()))
-                elif isinstance(item, FunctionCallOutputItem):
-                    messages.append(ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id))
-                else:  # the calls of one turn (and the text before them) are one assistant message
-                    call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
-                    last = messages[-1] if messages else None
-                    if last is not None and last.role == "assistant":
-                        last.tool_calls = [*(last.tool_calls or []), call]
-                    else:
-                        messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        for item in [*(history or []), *self.items()]:
+            if isinstance(item, InputMessage):
+                messages.append(ChatMessage(role=item.role, content=item.text()))
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append(ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id))
+            else:  # the calls of one turn (and the text before them) are one assistant message
+                call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+                last = messages[-1] if messages else None
+                if last is not None and last.role == "assistant":
+                    last.tool_calls = [*(last.tool_calls or []), call]
+                else:
+                    messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
         response_format = None
         if self.text is not None and self.text.format is not None:
             fmt = self.text.format
@@ -267,6 +275,29 @@ class ResponseUsage(ResponseModel):
                    output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens)
 
 
+ITEMS = TypeAdapter(list[InputItem])
+
+
+def as_input(item: OutputMessage | OutputFunctionCall) -> dict[str, Any]:
+    """An output item as the input item that sends it back."""
+    if isinstance(item, OutputMessage):
+        return {"type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": part.text} for part in item.content]}
+    return {"type": "function_call", "call_id": item.call_id, "name": item.name, "arguments": item.arguments}
+
+
+def listed_item(item: InputItem) -> dict[str, Any]:
+    """An input item as GET /v1/responses/{id}/input_items lists it: with an id and a status."""
+    if isinstance(item, InputMessage):
+        kind = "output_text" if item.role == "assistant" else "input_text"
+        content = [{"type": kind, "text": item.content}] if isinstance(item.content, str) \
+            else [part.model_dump() for part in item.content]
+        return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": item.role, "content": content,
+                "status": "completed"}
+    prefix = "fc" if isinstance(item, FunctionCallItem) else "fco"
+    return {"id": f"{prefix}_{uuid.uuid4().hex}", **item.model_dump(), "status": "completed"}
+
+
 class ResponseObject(ResponseModel):
     id: str
     object: Literal["response"] = "response"
@@ -280,7 +311,7 @@ class ResponseObject(ResponseModel):
     model: str
     output: list[OutputMessage | OutputFunctionCall] = Field(default_factory=list)
     parallel_tool_calls: bool = True
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     reasoning: None = None
     store: bool = False
     temperature: float | None = None
@@ -291,3 +322,17 @@ class ResponseObject(ResponseModel):
     truncation: str = "disabled"
     usage: ResponseUsage | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class DeletedResponse(ResponseModel):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True
+
+
+class InputItemList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

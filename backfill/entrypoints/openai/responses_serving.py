@@ -13,10 +13,12 @@ from typing import Any, Literal
 
 from backfill.engine.async_engine import EngineError, RequestStream
 from backfill.entrypoints.openai.responses import (
-    PARAM_RENAMES, OutputFunctionCall, OutputMessage, OutputText, ResponseObject, ResponsesRequest, ResponseUsage)
+    ITEMS, PARAM_RENAMES, DeletedResponse, InputItemList, OutputFunctionCall, OutputMessage, OutputText,
+    ResponseObject, ResponsesRequest, ResponseUsage, as_input, listed_item)
+from backfill.entrypoints.openai.responses_store import ResponseStore
 from backfill.entrypoints.openai.serving import OpenAIServing, SSEStream, engine_error
 from backfill.entrypoints.openai.tool_calls import ToolPlan, plan_tools
-from backfill.entrypoints.openai.wire import APIError
+from backfill.entrypoints.openai.wire import APIError, bad_request
 
 
 class OutputItems:
@@ -112,6 +114,10 @@ def rename_error(error: APIError) -> APIError:
     return APIError(error.status_code, message, error.type, param, error.code, error.headers)
 
 
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id[:100]}' not found.", param=None, code="not_found")
+
+
 def _no_event(kind: str, **fields: Any) -> str:
     return ""
 
@@ -119,13 +125,16 @@ def _no_event(kind: str, **fields: Any) -> str:
 class ResponsesServing:
     """POST /v1/responses over OpenAIServing's chat path. Runs on the event loop only."""
 
-    def __init__(self, serving: OpenAIServing) -> None:
+    def __init__(self, serving: OpenAIServing, store: ResponseStore | None = None) -> None:
         self.serving = serving
+        self.store = store if store is not None else ResponseStore(0)
 
     async def create_response(self, request: ResponsesRequest) -> ResponseObject | SSEStream:
         response_id = f"resp_{uuid.uuid4().hex}"
+        history = self._history(request.previous_response_id)
+        store = request.store is not False and self.store.max_entries > 0
         try:
-            chat = request.to_chat()
+            chat = request.to_chat(ITEMS.validate_python(history))
             tool_plan = plan_tools(chat)
             prompts, params, streams = await self.serving.start_chat(chat, response_id, tool_plan)
         except APIError as error:
@@ -139,13 +148,20 @@ class ResponsesServing:
                               temperature=params.temperature, top_p=params.top_p, text={"format": text_format},
                               tools=tools, tool_choice=request.echo_tool_choice(),
                               parallel_tool_calls=request.parallel_tool_calls is not False,
-                              metadata=request.metadata or {})
+                              metadata=request.metadata or {}, store=store,
+                              previous_response_id=request.previous_response_id)
 
         def finish(items: OutputItems, incomplete: bool, num_tokens: int) -> ResponseObject:
             usage = ResponseUsage.of(self.serving.usage(prompts, num_tokens, streams))
-            return base.model_copy(update={
+            final = base.model_copy(update={
                 "status": "incomplete" if incomplete else "completed", "output": items.items, "usage": usage,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None})
+            if store:
+                own = request.items()
+                conversation = [*history, *(item.model_dump(exclude_none=True) for item in own),
+                                *(as_input(item) for item in final.output)]
+                self.store.put(final.model_dump(mode="json"), [listed_item(item) for item in own], conversation)
+            return final
 
         if request.stream:
             return SSEStream(self._stream(base, streams, tool_plan, finish), streams)
@@ -165,6 +181,48 @@ class ResponsesServing:
         incomplete = finish_reason == "length"
         items.close("incomplete" if incomplete else "completed")
         return finish(items, incomplete, len(completion.token_ids))
+
+    def _history(self, previous_response_id: str | None) -> list[dict[str, Any]]:
+        """The conversation of the stored response a request continues ([] when none)."""
+        if previous_response_id is None:
+            return []
+        entry = self.store.get(previous_response_id)
+        if entry is None:
+            reason = "" if self.store.max_entries else \
+                " (this server stores no responses: --max-stored-responses 0, or --replicas)"
+            raise APIError(400, f"Previous response with id '{previous_response_id[:100]}' not found{reason}.",
+                           param="previous_response_id", code="previous_response_not_found")
+        return entry.conversation
+
+    def retrieve(self, response_id: str) -> ResponseObject:
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise _not_found(response_id)
+        return ResponseObject.model_validate(entry.response)
+
+    def delete(self, response_id: str) -> DeletedResponse:
+        if not self.store.delete(response_id):
+            raise _not_found(response_id)
+        return DeletedResponse(id=response_id)
+
+    def input_items(self, response_id: str, limit: int, order: str, after: str | None) -> InputItemList:
+        """A stored response's own input items (not the earlier turns'), OpenAI's list page."""
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise _not_found(response_id)
+        if not 1 <= limit <= 100:
+            raise bad_request(f"limit: must be in [1, 100], got {limit}", "limit")
+        if order not in ("asc", "desc"):
+            raise bad_request(f"order: must be 'asc' or 'desc', got {order[:20]!r}", "order")
+        items = entry.input_items if order == "asc" else entry.input_items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise bad_request(f"after: no input item {after[:100]!r} in this response", "after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return InputItemList(data=page, first_id=page[0]["id"] if page else None,
+                             last_id=page[-1]["id"] if page else None, has_more=len(items) > limit)
 
     @staticmethod
     async def _stream(base: ResponseObject, streams: list[RequestStream], tool_plan: ToolPlan | None,
