@@ -193,6 +193,10 @@ class SamplingParams:
                 _fail("bad_words", "must be a list of non-blank strings")
             if len(self.bad_words) > MAX_BAD_WORDS or sum(len(w) for w in self.bad_words) > MAX_BAD_WORDS_CHARS:
                 _fail("bad_words", f"at most {MAX_BAD_WORDS} words of {MAX_BAD_WORDS_CHARS} characters together")
+        if self.bad_words_token_ids is not None and (not isinstance(self.bad_words_token_ids, list) or not all(
+            isinstance(word, list) and word and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                    for t in word) for word in self.bad_words_token_ids)):
+            _fail("bad_words_token_ids", "must be a list of non-empty lists of non-negative token ids")
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids

@@ -45,12 +45,14 @@ class InputProcessor:
         """
         prompt_text, prompt_token_ids = self._encode_prompt(prompt)
         self._check_lengths(prompt_token_ids, params)
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = replace(params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
+        bad_words = [t for word in params.bad_words_token_ids or [] for t in word]
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("bad_words_token_ids", bad_words)):
             for token_id in ids:
                 if token_id >= self.vocab_size:
                     raise ValueError(f"{name}: token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
-        if params.bad_words and params.bad_words_token_ids is None:
-            params = replace(params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         sequences = []
         for index in range(params.n):
             seq_params = params
