@@ -72,7 +72,8 @@ def test_every_validated_field_has_an_invalid_case() -> None:
     validated = {
         "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
         "repetition_penalty", "logit_bias", "seed", "max_tokens", "min_tokens", "stop",
-        "stop_token_ids", "ignore_eos", "logprobs",
+        "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "allowed_token_ids", "bad_words",
+        "bad_words_token_ids",
     }  # fmt: skip
     assert validated == {field for field, _ in INVALID}
 
