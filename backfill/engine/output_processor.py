@@ -55,7 +55,9 @@ class _Group:
     sequences: list[_Sequence]
     core_ids: list[str]  # the core's ids of its sequences, in index order
     finish_time: float | None = None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # once its sequence #0 has them
+    # Once a sequence has them (each of the n computes them: a stream's first output of any of
+    # them must find them here).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

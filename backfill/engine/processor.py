@@ -58,8 +58,6 @@ class InputProcessor:
             seq_params = params
             if params.n > 1 and params.seed is not None:
                 seq_params = replace(params, seed=params.seed + index)
-            if index > 0 and params.prompt_logprobs is not None:  # the prompt's are computed once, by #0
-                seq_params = replace(seq_params, prompt_logprobs=None)
             sequences.append(EngineCoreRequest(
                 request_id=request_id if params.n == 1 else f"{request_id}#{index}",
                 prompt_token_ids=prompt_token_ids,

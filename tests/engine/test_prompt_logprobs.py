@@ -69,7 +69,7 @@ def test_in_small_chunks_beside_others_and_preempted(generated: list[RequestOutp
     assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
-def test_n_copies_share_one_computation(llm_fp32: LLM, generated: list[RequestOutput]) -> None:
+def test_n_completions_of_one_prompt(llm_fp32: LLM, generated: list[RequestOutput]) -> None:
     full = generated[0].prompt_token_ids + generated[0].outputs[0].token_ids
     params = SamplingParams(temperature=0.8, max_tokens=2, n=3, seed=0, prompt_logprobs=NUM_TOP)
     output = llm_fp32.generate([full], params)[0]

@@ -63,17 +63,20 @@ def test_max_tokens_zero_with_echo_is_the_prompt_alone(client: openai.OpenAI) ->
 
 
 def test_streamed_echo_with_logprobs_assembles_to_the_whole(client: openai.OpenAI) -> None:
-    fields: dict[str, Any] = dict(model=MODEL, prompt=PROMPT, max_tokens=4, echo=True, logprobs=1, temperature=0)
-    whole = client.completions.create(**fields).choices[0]
-    text, tokens, values = "", [], []
+    fields: dict[str, Any] = dict(model=MODEL, prompt=PROMPT, max_tokens=4, echo=True, logprobs=1, n=2,
+                                  temperature=0.8, seed=3)
+    whole = client.completions.create(**fields).choices
+    text, tokens, values = ["", ""], [[], []], [[], []]  # type: ignore[var-annotated]
     for chunk in client.completions.create(stream=True, **fields):
         choice = chunk.choices[0]
-        text += choice.text
+        text[choice.index] += choice.text
         if choice.logprobs is not None:
-            tokens += choice.logprobs.tokens or []
-            values += choice.logprobs.token_logprobs or []
-    assert whole.logprobs is not None
-    assert text == whole.text and tokens == whole.logprobs.tokens and values == whole.logprobs.token_logprobs
+            tokens[choice.index] += choice.logprobs.tokens or []
+            values[choice.index] += choice.logprobs.token_logprobs or []
+    for index, choice in enumerate(whole):
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs[0] is None  # type: ignore[index]
+        assert text[index] == choice.text and tokens[index] == choice.logprobs.tokens
+        assert values[index] == choice.logprobs.token_logprobs
 
 
 def test_chat_prompt_logprobs_cover_the_rendered_prompt(server: ServerProcess) -> None:
