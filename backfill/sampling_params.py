@@ -21,6 +21,11 @@ def _fail(name: str, message: str) -> None:
     raise ValueError(f"{name}: {message}")
 
 
+def _is_token_ids(value: object) -> bool:
+    """A list of non-negative ints (bools are not token ids)."""
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+
 @dataclass
 class StructuredOutputsParams:
     """What the output must match (vLLM's `structured_outputs`): exactly one field is set.
@@ -182,11 +187,8 @@ class SamplingParams:
             _fail("stop", "must be a string or a list of strings")
         if any(s == "" for s in self.stop_list):
             _fail("stop", "stop strings must not be empty")
-        if self.stop_token_ids is not None:
-            if not isinstance(self.stop_token_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
-            ):
-                _fail("stop_token_ids", "must be a list of non-negative token ids")
+        if self.stop_token_ids is not None and not _is_token_ids(self.stop_token_ids):
+            _fail("stop_token_ids", "must be a list of non-negative token ids")
         self.stop_token_id_set = frozenset(self.stop_token_ids or ())
         if self.bad_words is not None:
             if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
@@ -194,14 +196,10 @@ class SamplingParams:
             if len(self.bad_words) > MAX_BAD_WORDS or sum(len(w) for w in self.bad_words) > MAX_BAD_WORDS_CHARS:
                 _fail("bad_words", f"at most {MAX_BAD_WORDS} words of {MAX_BAD_WORDS_CHARS} characters together")
         if self.bad_words_token_ids is not None and (not isinstance(self.bad_words_token_ids, list) or not all(
-            isinstance(word, list) and word and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                    for t in word) for word in self.bad_words_token_ids)):
+                word and _is_token_ids(word) for word in self.bad_words_token_ids)):
             _fail("bad_words_token_ids", "must be a list of non-empty lists of non-negative token ids")
-        if self.allowed_token_ids is not None:
-            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids
-            ):
-                _fail("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if self.allowed_token_ids is not None and not (self.allowed_token_ids and _is_token_ids(self.allowed_token_ids)):
+            _fail("allowed_token_ids", "must be a non-empty list of non-negative token ids")
         if not isinstance(self.ignore_eos, bool):
             _fail("ignore_eos", "must be a boolean")
         if self.logprobs is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ class Batch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     metadata: AttentionMetadata
-    logits_index: torch.Tensor  # [S_sample + P] int64, rows of the hidden states for the LM head
+    logits_index: torch.Tensor  # [S_sample + P + prompt rows] int64, rows of the hidden states for the LM head
     sample_request_ids: list[str]  # request id of the first S_sample logits rows (the P padding rows follow)
     prompt_logits_start: int = 0  # S_sample + P: where the prompt_rows' logits rows begin
 
@@ -40,7 +41,7 @@ def build_batch(
     scratch_block: int | None = None,
     sliding_window: int | None = None,
     plan_torch_attention: bool = True,
-    prompt_rows: list[tuple[int, int]] = [],  # noqa: B006 (never mutated)
+    prompt_rows: Sequence[tuple[int, int]] = (),
 ) -> Batch:
     """Build the step's tensors once; every layer reuses them.
 
