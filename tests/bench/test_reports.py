@@ -16,9 +16,11 @@ from backfill.bench.roofline import (
     MachineRoofline,
     ModelShape,
     decode_roofline,
+    format_machine,
     format_roofline_table,
     ideal_step,
     load_model_shape,
+    measure_machine,
     resolve_dtype,
 )
 
@@ -134,6 +136,43 @@ def test_weights_as_stored_are_charged_their_own_bytes() -> None:
     assert one["bytes"] == 96_000_000 and one["ideal_s"] == pytest.approx(96e6 / 31e9)
     assert ideal_step(stored, MACHINE, "float32", 64, 64, 0) == ideal_step(SMOL, MACHINE, "float32", 64, 64, 0) | {
         "bytes": 96_000_000, "memory_s": pytest.approx(96e6 / 31e9)}
+
+
+def test_compute_ceiling_is_the_fma_peak_where_it_is_higher() -> None:
+    """fp32's ceiling is the better of the matmul and the FMA peak (a matmul slower than the
+    packed kernels is no ceiling); other dtypes keep their matmul; no peak: the matmul."""
+    peaked = replace(MACHINE, fma_peak_gflops=480.0)
+    assert peaked.peak_gflops("float32") == 480.0 and peaked.peak_gflops("bfloat16") == 390.0
+    assert replace(MACHINE, fma_peak_gflops=100.0).peak_gflops("float32") == 186.0
+    assert MACHINE.peak_gflops("float32") == 186.0
+    big = ideal_step(SMOL, peaked, "float32", 64, 64, 0)
+    assert big["compute_s"] == pytest.approx(2 * 134_515_008 * 64 / 480e9)
+    assert MachineRoofline.from_json(peaked.to_json()) == peaked
+    old = peaked.to_json()
+    del old["fma_peak_gflops"]  # a result file from before the peak was measured
+    assert MachineRoofline.from_json(old) == MACHINE
+    assert "fp32 FMA peak 480 GFLOP/s" in format_machine(peaked) and "FMA" not in format_machine(MACHINE)
+
+
+def test_measured_machine_has_an_fma_peak_on_every_isa() -> None:
+    """The CPU kernels time their FMA loop on each ISA they can run (any positive rate: the
+    figure is the machine's, not asserted); bad arguments are refused."""
+    from backfill import kernels
+
+    ext = kernels.extension()
+    if ext is None:
+        pytest.skip("CPU kernels extension unavailable")
+    machine = measure_machine("cpu", buffer_mb=8, matmul_n=64, repeats=2)
+    assert machine.fma_peak_gflops is not None and machine.fma_peak_gflops > 0
+    before = ext.isa()
+    try:
+        for isa in ("avx512", "avx2", "scalar"):
+            if ext.set_isa(isa):
+                assert 0 < ext.fma_peak_gflops(rounds=1000, repeats=1) < float("inf")
+    finally:
+        ext.set_isa(before)
+    with pytest.raises(RuntimeError):
+        ext.fma_peak_gflops(rounds=0)
 
 
 def test_decode_roofline_rows_and_table() -> None:

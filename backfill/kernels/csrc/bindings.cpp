@@ -1,6 +1,10 @@
 // Python bindings of the CPU kernels (a pybind11 module built by torch.utils.cpp_extension).
 #include <torch/extension.h>
 
+#include <chrono>
+#include <cmath>
+#include <vector>
+
 #include "attention_cpu.h"
 #include "qgemm.h"
 
@@ -115,6 +119,29 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   return out;
 }
 
+// The roofline's compute ceiling in GFLOP/s: every intra-op thread runs the widest kernels'
+// register-only FMA loop (fma_loop) at once, best of `repeats` timings of `rounds` rounds each.
+// A measured matmul is no ceiling: torch's fp32 GEMM reaches 85% of it on an Ice Lake Xeon and
+// under half on a Zen 5 EPYC, where the packed kernels run faster than it.
+double fma_peak_gflops(int64_t rounds, int64_t repeats) {
+  TORCH_CHECK(rounds > 0 && repeats > 0, "rounds and repeats must be positive");
+  const DecoderKernels& kernels = elementwise_kernels();
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> sink(threads);
+  double best = 0;
+  for (int64_t r = 0; r <= repeats; ++r) {  // round 0 warms up (clocks, thread pool)
+    const auto start = std::chrono::steady_clock::now();
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) sink[t] = kernels.fma_loop(rounds);
+    });
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double flops = 2.0 * static_cast<double>(threads * rounds * kernels.fma_chains * kernels.lanes);
+    if (r > 0 && flops / seconds > best) best = flops / seconds;
+  }
+  TORCH_CHECK(std::isfinite(sink[0]), "fma loop diverged");
+  return best / 1e9;
+}
+
 // probs [S, V] fp32 (>= 0, unnormalized), u [S] fp64 in [0, 1) -> [S] int64: per row the token
 // inverse-CDF sampling picks, exactly as the torch reference (sampler.py, inverse_cdf_sample):
 //   cdf = probs.cumsum(-1, dtype=float64); target = (1 - u) * cdf[-1];
@@ -176,6 +203,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qtype"), py::arg("cols"), py::arg("rows") = py::none());
   m.def("dequantize_packed", &backfill::dequantize_packed, "packed rows as fp32", py::arg("packed"),
         py::arg("qtype"), py::arg("rows"), py::arg("cols"), py::arg("row_ids") = py::none());
+  m.def("fma_peak_gflops", &backfill::fma_peak_gflops,
+        "fp32 FMA peak of this CPU in GFLOP/s on all intra-op threads (the roofline's compute ceiling)",
+        py::arg("rounds") = 20000000, py::arg("repeats") = 3, py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &backfill::argmax_rows, "torch.argmax(logits, dim=-1) of [S, V] fp32, vectorized",
         py::arg("logits"), py::call_guard<py::gil_scoped_release>());
   m.def("inverse_cdf_sample", &backfill::inverse_cdf_sample,

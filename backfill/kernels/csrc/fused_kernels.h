@@ -96,6 +96,10 @@ struct DecoderKernels {
   // The index of the first maximum of x[0 .. n) (n >= 1, n < 2^31), a NaN counting as the
   // maximum: torch.argmax's answer, in one vectorized pass (greedy sampling).
   int64_t (*argmax)(const float* x, int64_t n);
+  // rounds x fma_chains independent vector FMAs from registers (W lanes each): the machine's
+  // fp32 peak, timed by the caller on every thread (the roofline's compute ceiling)
+  float (*fma_loop)(int64_t rounds);
+  int64_t fma_chains;
 };
 
 // One table per variant; the dispatcher (decoder.cpp) picks by the CPU and head_dim.

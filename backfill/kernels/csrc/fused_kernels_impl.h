@@ -667,8 +667,24 @@ int64_t argmax(const float* x, int64_t n) {
   return best;
 }
 
+// The roofline's compute ceiling: `rounds` x kFmaChains independent vector FMAs, enough chains to
+// keep every FMA port busy through its latency (2 ports x 4-5 cycles on the CPUs we run on), no
+// memory traffic. The return value depends on every chain, so none is optimized away.
+constexpr int kFmaChains = 12;
+float fma_loop(int64_t rounds) {
+  vf acc[kFmaChains];
+  _Pragma("GCC unroll 16") for (int j = 0; j < kFmaChains; ++j) acc[j] = splat(1.0f + 0.001f * static_cast<float>(j));
+  const vf a = splat(0.999999f), b = splat(1e-7f);
+  for (int64_t r = 0; r < rounds; ++r) {
+    _Pragma("GCC unroll 16") for (int j = 0; j < kFmaChains; ++j) acc[j] = fmadd(acc[j], a, b);
+  }
+  vf sum = acc[0];
+  for (int j = 1; j < kFmaChains; ++j) sum += acc[j];
+  return hsum(sum);
+}
+
 const DecoderKernels kTable = {BF_NAME,  W,        attention_scratch, attention_tile, attention_combine,
-                               rms_norm, silu_mul, argmax};
+                               rms_norm, silu_mul, argmax,            fma_loop,       kFmaChains};
 
 }  // namespace
 
