@@ -72,7 +72,7 @@ def make_engine_core(config: EngineConfig) -> CoreLike:
     from backfill.engine.core import EngineCore
 
     core = EngineCore(config)
-    core.structured_output.warm_up()  # the grammar engine's tokenizer loads while the core idles
+    core.structured_output.warm_up()  # the grammar engine's tokenizer, before the core says it is ready
     return core
 
 
