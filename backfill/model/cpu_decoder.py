@@ -167,6 +167,22 @@ class CpuDecoder:
         shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
         return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(self.config.num_layers)]
 
+    @property
+    def kv_prefetch_cap(self) -> int:
+        """The most bytes of a layer's K/V the step prefetches while the layer before runs its MLP
+        (a quarter of the L3 cache by default; less where the MLP's GEMMs leave the memory bus
+        little idle time; 0: none). It changes no result, only where the reads wait."""
+        return int(self._step.kv_prefetch_cap)
+
+    @kv_prefetch_cap.setter
+    def kv_prefetch_cap(self, nbytes: int) -> None:
+        self._step.kv_prefetch_cap = nbytes
+
+    @property
+    def last_kv_prefetch_blocks(self) -> int:
+        """KV blocks the last step prefetched for each layer but the first."""
+        return int(self._step.last_kv_prefetch_blocks)
+
     def set_profile(self, on: bool) -> None:
         """Start (and zero) or stop the C++ side's timers; see `profile`."""
         self._step.set_profile(on)

@@ -128,6 +128,45 @@ def test_quantized_segments_match_llama() -> None:
     run_twins(model, CpuDecoder(config, state), token_batches(config.vocab_size, seed=4))
 
 
+def check_kv_prefetch_changes_nothing() -> None:
+    model = tiny_model("gqa2_hd16", num_layers=3, intermediate_size=96, hidden_size=128)
+    config = model.config
+    state: dict[str, LinearWeights] = {}
+    for i in range(config.num_layers):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            pname = f"layers.{i}.{name}.weight"
+            weight = dict(model.named_parameters())[pname]
+            packed, values = quantize(weight.detach().contiguous(), 3)  # Q4_1
+            state[pname] = QuantWeight([packed], weight.shape[1])
+    for pname, p in model.named_parameters():
+        state.setdefault(pname, p.detach().clone())
+    with_prefetch, without = CpuDecoder(config, state), CpuDecoder(config, state)
+    without.kv_prefetch_cap = 0
+    assert with_prefetch.kv_prefetch_cap > 0
+    # (request, new tokens) per step: 12 rows (fused kernel), 40 (panels), then decodes
+    schedule = [[("a", 7), ("b", 5)], [("a", 1), ("b", 1), ("c", 30), ("d", 8)],
+                [("a", 1), ("b", 1), ("c", 1), ("d", 1), ("e", 10), ("f", 3)]]
+    drivers = [PagedDriver(d, num_blocks=64, block_size=8, seed=1) for d in (with_prefetch, without)]
+    for i, batch in enumerate(token_batches(config.vocab_size, seed=8, schedule=schedule)):
+        got, expected = (driver.step(batch) for driver in drivers)
+        assert with_prefetch.last_kv_prefetch_blocks > 0 and without.last_kv_prefetch_blocks == 0, f"step {i}"
+        assert torch.equal(got, expected), f"step {i}: the prefetch changed the logits"
+        for layer, ((k1, v1), (k2, v2)) in enumerate(zip(drivers[0].kv_caches, drivers[1].kv_caches)):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2), f"step {i} layer {layer}: the caches differ"
+    print("ok")
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_kv_prefetch_changes_nothing(isa: str) -> None:
+    """The next layer's K/V prefetched while a layer's MLP runs (steps of enough rows: the fused
+    kernel's at 9-16, the panels' past 16) leaves every logit and cache entry as without it."""
+    if isa == "native":
+        check_kv_prefetch_changes_nothing()
+    else:
+        code = "from tests.kernels.test_decoder import check_kv_prefetch_changes_nothing as c; c()"
+        assert run_under_isa(isa, code, timeout=300) == "ok"
+
+
 def test_batch_invariant() -> None:
     """One sequence's logits, bit for bit: alone, batched with decodes and prompt chunks, reordered."""
     model = tiny_model("sliding_window")

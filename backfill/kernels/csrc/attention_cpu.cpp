@@ -132,6 +132,26 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
     }
   }
   unit_start.push_back(static_cast<int64_t>(tiles.size()));
+  // A unit's tiles read the same key rows (a block row holds every KV head), so its first tile
+  // names the blocks; prompt tiles of one sequence share their first blocks: each is kept once.
+  prefetch_blocks.clear();
+  const int64_t block_kv_bytes = 2 * shape.block_size * shape.num_kv_heads * shape.head_dim *
+                                 static_cast<int64_t>(sizeof(float));
+  const int64_t max_blocks = prefetch_budget / block_kv_bytes;
+  if (max_blocks > 0) {
+    std::vector<bool> seen(static_cast<size_t>(num_blocks), false);
+    for (int64_t u = 0; u < num_units && static_cast<int64_t>(prefetch_blocks.size()) < max_blocks; ++u) {
+      const AttentionTile& t = tiles[static_cast<size_t>(unit_start[static_cast<size_t>(u)])];
+      const int64_t last_key = std::min(t.key_end, t.pos + t.num_q) - 1;
+      for (int64_t b = t.key_begin / shape.block_size; b <= last_key / shape.block_size; ++b) {
+        const int64_t id = t.block_table[b];
+        if (seen[static_cast<size_t>(id)]) continue;
+        seen[static_cast<size_t>(id)] = true;
+        prefetch_blocks.push_back(id);
+        if (static_cast<int64_t>(prefetch_blocks.size()) == max_blocks) break;
+      }
+    }
+  }
 }
 
 void AttentionPlan::run(const DecoderKernels& kernels, const AttentionShape& shape, const float* q, int64_t ldq,

@@ -44,6 +44,10 @@ struct AttentionPlan {
   int64_t max_rows = 0;         // the most rows (query tokens x G) of any tile
   int64_t total_work = 0;       // rows x keys visited, summed over the tiles
   int64_t total_kv_bytes = 0;   // K and V bytes the tiles read (a window may read less)
+  // The KV block ids the tiles read, each once, in the order the workers take them, up to
+  // `prefetch_budget` bytes of K and V (0: none): what a caller may prefetch for a layer.
+  int64_t prefetch_budget = 0;
+  std::vector<int64_t> prefetch_blocks;
 
   void build(const StepMeta& meta, const AttentionShape& shape, int64_t num_blocks);
   // out[t, h, :] for every token t and query head h (q, out: [T, H * D] rows of stride ldq, ldo).

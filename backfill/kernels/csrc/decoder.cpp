@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -58,10 +59,20 @@ struct Linear {
   int64_t rows = 0;
   int64_t cols = 0;
 
-  void run(const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy, bool accumulate) const {
+  int64_t bytes() const {
+    int64_t n = 0;
+    for (const Segment& s : segments) n += s.data.numel();
+    return n;
+  }
+
+  // side: memory to prefetch as it runs (see packed_gemm), given to the first segment.
+  void run(const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy, bool accumulate,
+           const SidePrefetch* side = nullptr) const {
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
-    for (const Segment& s : segments)
-      packed_gemm(x, m, ldx, s.matrix, b == nullptr ? nullptr : b + s.row_offset, y + s.row_offset, ldy, accumulate);
+    for (const Segment& s : segments) {
+      packed_gemm(x, m, ldx, s.matrix, b == nullptr ? nullptr : b + s.row_offset, y + s.row_offset, ldy, accumulate,
+                  &s == &segments.front() ? side : nullptr);
+    }
   }
 };
 
@@ -106,6 +117,25 @@ float* ensure(std::vector<float>& buf, int64_t numel) {
   if (static_cast<int64_t>(buf.size()) < numel) buf.resize(static_cast<size_t>(numel + numel / 4));
   return buf.data();
 }
+
+// The most bytes of one layer's K/V worth prefetching ahead of its attention: a quarter of the L3
+// cache (this core's slice: sysfs, not sysconf, which on an EPYC reports every CCD's L3
+// together), at most 16 MB; 8 MB where unknown.
+int64_t l3_prefetch_cap() {
+  int64_t l3 = 0;
+  if (FILE* f = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r")) {
+    long kb = 0;
+    char unit = 0;
+    if (std::fscanf(f, "%ld%c", &kb, &unit) >= 1) l3 = kb * (unit == 'M' ? 1024 * 1024 : 1024);
+    std::fclose(f);
+  }
+  return l3 > 0 ? std::min<int64_t>(l3 / 4, int64_t{16} << 20) : int64_t{8} << 20;
+}
+
+// FLOPs a CPU runs in the time it reads one byte from memory, a high estimate (a 2-core Zen 5
+// EPYC: ~490 GFLOP/s over ~40 GB/s, 12; an Ice Lake Xeon ~10): an MLP of T rows leaves the
+// memory bus idle for about 2 T P / 12 - W bytes' worth of reads (P weights, W their bytes).
+constexpr int64_t kFlopsPerByte = 12;
 
 class FusedDecoder {
  public:
@@ -185,6 +215,13 @@ class FusedDecoder {
     return out;
   }
 
+  // Bytes of a layer's K/V the step may prefetch while the layer before runs its MLP (at most; 0:
+  // none). Benchmarks and tests compare with and without; it never changes a result.
+  void set_kv_prefetch_cap(int64_t bytes) { kv_prefetch_cap_ = std::max<int64_t>(0, bytes); }
+  int64_t kv_prefetch_cap() const { return kv_prefetch_cap_; }
+  // KV blocks the last step prefetched for each layer after the first.
+  int64_t last_kv_prefetch_blocks() const { return static_cast<int64_t>(plan_.prefetch_blocks.size()); }
+
   void set_profile(bool on) {
     profile_ = on;
     linear_s_ = attention_s_ = other_s_ = 0.0;
@@ -241,6 +278,13 @@ class FusedDecoder {
       TORCH_CHECK(slots[i] >= 0 && slots[i] < num_blocks * block_size, "slot ", slots[i], " out of range");
     const AttentionShape shape{num_kv_heads_, head_dim_, num_heads_ / num_kv_heads_, block_size,
                                1.0f / std::sqrt(static_cast<float>(head_dim_)), window > 0 ? window : 0};
+    // Only the K/V the MLP's idle memory bus can bring in (none where the weights' own reads fill
+    // it: a few rows, whose GEMM is memory-bound; there the prefetch would slow the weights more
+    // than it speeds attention).
+    const Layer& l0 = layers_.front();
+    const int64_t mlp_weights = l0.gate_up.rows * l0.gate_up.cols + l0.down.rows * l0.down.cols;
+    const int64_t idle_bytes = 2 * num_tokens * mlp_weights / kFlopsPerByte - (l0.gate_up.bytes() + l0.down.bytes());
+    plan_.prefetch_budget = std::max<int64_t>(0, std::min(idle_bytes, kv_prefetch_cap_));
     plan_.build(meta, shape, num_blocks);
 
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
@@ -277,7 +321,18 @@ class FusedDecoder {
       lap(linear_s_);
       norm_rows(x, layer.post_norm.data_ptr<float>(), num_tokens, xn);
       lap(other_s_);
-      layer.gate_up.run(xn, num_tokens, hidden_, gate_up, 2 * intermediate_, false);
+      // While the MLP computes, the next layer's K/V (the share the budget above allows) comes from
+      // memory; its attention then reads it from the caches. gate_up takes 2/3 (its FLOPs).
+      SidePrefetch side_gu{nullptr, 0, 0}, side_down{nullptr, 0, 0};
+      if (l + 1 < layers_.size() && !plan_.prefetch_blocks.empty()) {
+        kv_spans(std::get<0>(kv_caches[l + 1]).data_ptr<float>(), std::get<1>(kv_caches[l + 1]).data_ptr<float>(),
+                 block_size);
+        const int64_t n = static_cast<int64_t>(side_spans_.size()), line_floats = 64 / sizeof(float);
+        const int64_t span_lines = block_size * num_kv_heads_ * head_dim_ / line_floats;
+        side_gu = {side_spans_.data(), 2 * n / 3, span_lines};
+        side_down = {side_spans_.data() + side_gu.num_spans, n - side_gu.num_spans, span_lines};
+      }
+      layer.gate_up.run(xn, num_tokens, hidden_, gate_up, 2 * intermediate_, false, &side_gu);
       lap(linear_s_);
       at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
@@ -286,8 +341,18 @@ class FusedDecoder {
         }
       });
       lap(other_s_);
-      layer.down.run(act, num_tokens, intermediate_, x, hidden_, true);  // x += act @ Wdown^T
+      layer.down.run(act, num_tokens, intermediate_, x, hidden_, true, &side_down);  // x += act @ Wdown^T
       lap(linear_s_);
+    }
+  }
+
+  // side_spans_ = the K and V blocks of plan_.prefetch_blocks in these caches, in that order.
+  void kv_spans(const float* k_cache, const float* v_cache, int64_t block_size) {
+    const int64_t block_floats = block_size * num_kv_heads_ * head_dim_;
+    side_spans_.clear();
+    for (const int64_t id : plan_.prefetch_blocks) {
+      side_spans_.push_back(reinterpret_cast<const char*>(k_cache + id * block_floats));
+      side_spans_.push_back(reinterpret_cast<const char*>(v_cache + id * block_floats));
     }
   }
 
@@ -335,6 +400,8 @@ class FusedDecoder {
 
   std::mutex mutex_;
   AttentionPlan plan_;
+  int64_t kv_prefetch_cap_ = l3_prefetch_cap();
+  std::vector<const char*> side_spans_;  // the next layer's K/V blocks to prefetch (kv_spans)
   std::vector<float> x_, xn_, qkv_, attn_, gate_up_, act_;  // scratch, see run_layers
   bool profile_ = false;
   double linear_s_ = 0.0, attention_s_ = 0.0, other_s_ = 0.0;
@@ -385,6 +452,8 @@ void register_decoder(pybind11::module& m) {
            arg("window"), arg("rows") = py::none())
       .def("logits", &FusedDecoder::logits, nogil, arg("hidden"))
       .def("set_profile", &FusedDecoder::set_profile, arg("on"))
+      .def_property("kv_prefetch_cap", &FusedDecoder::kv_prefetch_cap, &FusedDecoder::set_kv_prefetch_cap)
+      .def_property_readonly("last_kv_prefetch_blocks", &FusedDecoder::last_kv_prefetch_blocks)
       .def("profile", &FusedDecoder::profile)
       .def("kernels", &FusedDecoder::kernels);
   m.def("paged_attention", &paged_attention_cpu, nogil, "paged attention of one step (fused decoder's kernels)",

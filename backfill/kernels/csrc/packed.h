@@ -66,6 +66,10 @@ struct TileJob {
   int64_t tile_begin;
   int64_t tile_end;
   float* scratch;  // job_scratch_floats(cols) floats, 64-byte aligned, private to this job
+  // Lines [side_begin, side_end) of `side` to prefetch while the job computes (null: none).
+  const SidePrefetch* side;
+  int64_t side_begin;
+  int64_t side_end;
 };
 
 // A job's scratch: [panels: <= 2048 columns x 16 rows][partial sums: <= kScratchPartRows rows x 4

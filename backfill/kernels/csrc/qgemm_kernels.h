@@ -220,6 +220,46 @@ inline int block_rows(int64_t rows, int64_t num_blocks, int64_t b) {
 // accumulators; the weights are read once per call, from memory. NT tiles give NT x MR
 // independent chains, enough to hide the FMA latency at MR = 1.
 
+// The job's side prefetch (TileJob::side), spread evenly over the job's FMA blocks (the panel
+// kernel: one every few columns of each block, issued in bursts they would wait for miss
+// buffers and stall the FMAs; the fused kernel: a few lines per 32-column chunk).
+struct SideCursor {
+  const SidePrefetch* side = nullptr;
+  int64_t per_block = 0;  // lines per FMA block
+  int64_t left = 0;       // lines still to prefetch
+  const char* p = nullptr;
+  int64_t span = 0, span_left = 0;
+
+  void start(const SidePrefetch* s, int64_t begin, int64_t end, int64_t blocks) {
+    side = s;
+    left = end - begin;
+    per_block = (left + blocks - 1) / blocks;
+    span = begin / s->span_lines;
+    span_left = s->span_lines - begin % s->span_lines;
+    p = s->spans[span] + 64 * (begin % s->span_lines);
+  }
+  // Columns of the next block between two prefetches (0: none this block).
+  BF_AI int64_t stride(int64_t kn) const {
+    if (left <= 0) return 0;
+    const int64_t n = per_block < left ? per_block : left;
+    return kn / n > 0 ? kn / n : 1;
+  }
+  BF_AI void burst() {
+    for (int64_t i = 0; i < per_block && left > 0; ++i) next_line();
+  }
+  BF_AI void next_line() {
+    if (left <= 0) return;
+    __builtin_prefetch(p, 0, 3);
+    --left;
+    if (--span_left == 0 && left > 0) {
+      p = side->spans[++span];
+      span_left = side->span_lines;
+    } else {
+      p += 64;
+    }
+  }
+};
+
 // The fused kernel's software prefetch, in 32-column chunks ahead of the one being computed. Its
 // NT weight streams are short (a tile is 5-15 KB at these models' widths) and restart at every
 // group, too short for the hardware prefetcher to reach full bandwidth: without it a batch-1
@@ -247,7 +287,7 @@ BF_AI void prefetch_chunk(const TileJob& job, int64_t tile0, int64_t c, int64_t 
 }
 
 template <class Dq, int MR, int NT>
-__attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, int64_t tile0) {
+__attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, int64_t tile0, SideCursor& side) {
   const int64_t tb = tile_bytes(job.type, job.cols);
   const uint8_t* tiles[NT];
   BF_UNROLL for (int t = 0; t < NT; ++t) tiles[t] = job.w + (tile0 + t) * tb;
@@ -268,6 +308,7 @@ __attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, 
     }
     for (int64_t c = 0; c < nc; ++c) {
       prefetch_chunk<NT>(job, tile0, c + kFusedPrefetchChunks, nc, tb, cb);
+      side.burst();
       Dq::template for_each<NT>(tiles, 32 * c, 32, fma_column);
     }
   }
@@ -277,11 +318,11 @@ __attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, 
 // Tiles [tile_begin, tile_end) for rows [row0, row0 + MR): groups of NT tiles, the rest in one
 // smaller group.
 template <class Dq, int MR, int NT>
-void fused_tiles(const TileJob& job, const float* xp, int64_t tile_begin, int64_t tile_end) {
+void fused_tiles(const TileJob& job, const float* xp, int64_t tile_begin, int64_t tile_end, SideCursor& side) {
   int64_t tile = tile_begin;
-  for (; tile + NT <= tile_end; tile += NT) fused_block<Dq, MR, NT>(job, xp, tile);
+  for (; tile + NT <= tile_end; tile += NT) fused_block<Dq, MR, NT>(job, xp, tile, side);
   if constexpr (NT > 1) {
-    if (tile < tile_end) fused_tiles<Dq, MR, NT - 1>(job, xp, tile, tile_end);
+    if (tile < tile_end) fused_tiles<Dq, MR, NT - 1>(job, xp, tile, tile_end, side);
   }
 }
 
@@ -291,7 +332,13 @@ void fused_rows(const TileJob& job, int mr, const float* xp) {
   if constexpr (MR < kFusedMaxM) {
     if (mr != MR) return fused_rows<Dq, MR + 1>(job, mr, xp);
   }
-  fused_tiles<Dq, MR, fused_nt(MR)>(job, xp, job.tile_begin, job.tile_end);
+  SideCursor side;
+  if (job.side != nullptr && job.side_end > job.side_begin && job.cols % 32 == 0) {
+    constexpr int64_t nt = fused_nt(MR);
+    side.start(job.side, job.side_begin, job.side_end,
+               (job.tile_end - job.tile_begin + nt - 1) / nt * (job.cols / 32));  // 32-column chunks
+  }
+  fused_tiles<Dq, MR, fused_nt(MR)>(job, xp, job.tile_begin, job.tile_end, side);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -307,8 +354,10 @@ static_assert(kPanelNT <= 4 && kPanelMaxMR <= 16 && kFusedMaxM <= 16, "partial s
 template <int MR, int NT>
 __attribute__((noinline)) void panel_block(const TileJob& job, int64_t row0, const float* xp, int64_t tile0,
                                            const float* const* panels, int64_t k0, int64_t kn, float* part,
-                                           bool first, bool last) {
+                                           bool first, bool last, SideCursor& side) {
   xp += k0 * MR;  // x packed [K][MR]
+  const int64_t stride = side.stride(kn);
+  int64_t next_prefetch = stride > 0 ? 0 : kn;
   const float* p[NT];
   BF_UNROLL for (int t = 0; t < NT; ++t) p[t] = panels[t];
   VF acc[MR][NT];
@@ -316,6 +365,10 @@ __attribute__((noinline)) void panel_block(const TileJob& job, int64_t row0, con
     acc[i][t] = first ? vf_zero() : vf_load(part + (i * NT + t) * kTileRows);
   }
   for (int64_t k = 0; k < kn; ++k) {
+    if (k == next_prefetch) {
+      side.next_line();
+      next_prefetch = side.left > 0 ? k + stride : kn;
+    }
     VF w[NT];
     BF_UNROLL for (int t = 0; t < NT; ++t) w[t] = vf_load(p[t] + 16 * k);
     BF_UNROLL for (int i = 0; i < MR; ++i) {
@@ -334,11 +387,11 @@ __attribute__((noinline)) void panel_block(const TileJob& job, int64_t row0, con
 
 template <int NT, int MR = 1>
 void panel_rows(int mr, const TileJob& job, int64_t row0, const float* xp, int64_t tile0, const float* const* panels,
-                int64_t k0, int64_t kn, float* part, bool first, bool last) {
+                int64_t k0, int64_t kn, float* part, bool first, bool last, SideCursor& side) {
   if constexpr (MR < kPanelMaxMR) {
-    if (mr != MR) return panel_rows<NT, MR + 1>(mr, job, row0, xp, tile0, panels, k0, kn, part, first, last);
+    if (mr != MR) return panel_rows<NT, MR + 1>(mr, job, row0, xp, tile0, panels, k0, kn, part, first, last, side);
   }
-  panel_block<MR, NT>(job, row0, xp, tile0, panels, k0, kn, part, first, last);
+  panel_block<MR, NT>(job, row0, xp, tile0, panels, k0, kn, part, first, last, side);
 }
 
 // Columns [k0, k0 + kn) of one tile into panel [kn][16].
@@ -353,7 +406,8 @@ __attribute__((noinline)) void dequant_panel(const uint8_t* tile, int64_t k0, in
 // Rows [row_begin, row_end) x tiles [tile0, tile0 + NT), in balanced blocks of <= kPanelMaxMR rows
 // (block_rows); xp = those rows packed by pack_x, block after block.
 template <class Dq, int NT>
-void panel_group(const TileJob& job, int64_t row_begin, int64_t row_end, const float* xp, int64_t tile0) {
+void panel_group(const TileJob& job, int64_t row_begin, int64_t row_end, const float* xp, int64_t tile0,
+                 SideCursor& side) {
   const int64_t tb = tile_bytes(job.type, job.cols);
   float* part = job.scratch + kScratchPanelFloats;  // [rows][NT][16] partial sums
   const int64_t rows = row_end - row_begin;
@@ -389,7 +443,7 @@ void panel_group(const TileJob& job, int64_t row_begin, int64_t row_end, const f
     for (int64_t b = 0; b < num_blocks; ++b) {
       const int mr = block_rows(rows, num_blocks, b);
       panel_rows<NT>(mr, job, row, xp + (row - row_begin) * job.cols, tile0, panels, k0, kn,
-                     part + (row - row_begin) * NT * kTileRows, k0 == 0, k0 + kn == job.cols);
+                     part + (row - row_begin) * NT * kTileRows, k0 == 0, k0 + kn == job.cols, side);
       row += mr;
     }
   }
@@ -401,6 +455,17 @@ void panel_path(const TileJob& job, float* xp) {
   // each chunk dequantizes the weights again (a few % of the FMAs at these sizes).
   int64_t chunk = kScratchXFloats / job.cols;
   chunk = chunk < kPanelMaxMR ? kPanelMaxMR : chunk > kScratchPartRows ? kScratchPartRows : chunk;
+  SideCursor side;
+  if (job.side != nullptr && job.side_end > job.side_begin) {
+    const int64_t tiles = job.tile_end - job.tile_begin, groups = tiles / kPanelNT + tiles % kPanelNT;
+    const int64_t k_chunks = (job.cols + kPanelKc - 1) / kPanelKc;
+    int64_t blocks = 0;  // FMA blocks the job runs (panel_rows calls)
+    for (int64_t r0 = 0; r0 < job.m; r0 += chunk) {
+      const int64_t r1 = r0 + chunk < job.m ? r0 + chunk : job.m;
+      blocks += groups * k_chunks * ((r1 - r0 + kPanelMaxMR - 1) / kPanelMaxMR);
+    }
+    side.start(job.side, job.side_begin, job.side_end, blocks);
+  }
   for (int64_t r0 = 0; r0 < job.m; r0 += chunk) {
     const int64_t r1 = r0 + chunk < job.m ? r0 + chunk : job.m;
     const int64_t num_blocks = (r1 - r0 + kPanelMaxMR - 1) / kPanelMaxMR;
@@ -410,8 +475,8 @@ void panel_path(const TileJob& job, float* xp) {
       row += mr;
     }
     int64_t tile = job.tile_begin;
-    for (; tile + kPanelNT <= job.tile_end; tile += kPanelNT) panel_group<Dq, kPanelNT>(job, r0, r1, xp, tile);
-    for (; tile < job.tile_end; ++tile) panel_group<Dq, 1>(job, r0, r1, xp, tile);
+    for (; tile + kPanelNT <= job.tile_end; tile += kPanelNT) panel_group<Dq, kPanelNT>(job, r0, r1, xp, tile, side);
+    for (; tile < job.tile_end; ++tile) panel_group<Dq, 1>(job, r0, r1, xp, tile, side);
   }
 }
 

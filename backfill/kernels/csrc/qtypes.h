@@ -114,4 +114,13 @@ inline float fp16_to_fp32(uint16_t h) {
   return f;
 }
 
+// Memory to pull toward the caches while a GEMM computes (the next layer's K/V while a
+// compute-bound MLP runs): `num_spans` spans of `span_lines` 64-byte lines each; line i is
+// spans[i / span_lines] + 64 (i % span_lines).
+struct SidePrefetch {
+  const char* const* spans;
+  int64_t num_spans;
+  int64_t span_lines;
+};
+
 }  // namespace backfill
