@@ -29,7 +29,7 @@ TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K"
 # of the panel kernel (192 / 256 columns).
 SHAPES = {"F32": (37, 300), "F16": (37, 300), "Q4_0": (37, 416), "Q4_1": (37, 416), "Q8_0": (37, 416),
           "Q4_K": (37, 768), "Q6_K": (37, 768)}
-MS = [1, 2, 3, 5, 16, 33, 100, 350]  # 350: several row chunks of the panel kernel at K >= 416
+MS = [1, 2, 3, 5, 16, 17, 24, 32, 33, 100, 350]  # 17-32: two fused halves; 350: several row chunks of the panel kernel at K >= 416
 ISAS = ["scalar", "avx2", "avx512"]
 
 
@@ -128,7 +128,7 @@ def test_isas_are_bit_identical(name: str, restore_isa: None) -> None:
     results = {}
     for isa in ISAS:
         if ext.set_isa(isa):
-            results[isa] = [ext.qlinear(x[:m], packed, qtype, n, k, bias=bias) for m in (1, 5, 33)]
+            results[isa] = [ext.qlinear(x[:m], packed, qtype, n, k, bias=bias) for m in (1, 5, 20, 33)]
     assert len(results) >= 1
     first = next(iter(results.values()))
     for isa, ys in results.items():

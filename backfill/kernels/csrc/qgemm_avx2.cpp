@@ -74,6 +74,7 @@ AI VF vf_nib_hi(VI a) { return vi_to_f(vi_srl<4>(a)); }
 // Blocking (16 ymm): fused MR x NT x 2 accumulators; panels run 6 x 16 (12 accumulators, 2
 // weight registers, a broadcast).
 constexpr int kFusedMaxM = 4;
+constexpr bool kFusedHalves = false;  // not measured here: 5+ rows run the panels
 constexpr int fused_nt(int mr) { return mr == 1 ? 2 : 1; }
 constexpr int kPanelNT = 1;
 constexpr int kPanelMaxMR = 6;

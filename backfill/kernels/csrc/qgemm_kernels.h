@@ -5,7 +5,7 @@
 //   vf_bcast, vf_fma (a * b + c, one rounding), vf_mul, vf_add, vf_load_f16 (16 halves),
 //   vi_load_u8 / vi_load_s8 (16 bytes widened), vi_and, vi_srl<s>, vi_sll<s>, vi_or_and
 //   (a | (b & mask)), vi_to_f, vf_nib_lo (float(v & 15)), vf_nib_hi (float(v >> 4), v < 256);
-//   and the blocking constants: kFusedMaxM, fused_nt(mr), kPanelNT, kPanelMaxMR, kPanelKc.
+//   and the blocking constants: kFusedMaxM, fused_nt(mr), kFusedHalves, kPanelNT, kPanelMaxMR, kPanelKc.
 // Everything here has internal linkage: each ISA unit gets its own copy (see isa.h).
 //
 // Numbers (the invariant every path keeps, see TileJob): lanes run across 16 output rows, so
@@ -283,7 +283,8 @@ BF_AI void prefetch_chunk(const TileJob& job, int64_t tile0, int64_t c, int64_t 
 }
 
 template <class Dq, int MR, int NT>
-__attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, int64_t tile0, SideCursor& side) {
+__attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, int64_t tile0, SideCursor& side,
+                                           int64_t row0 = 0) {
   const int64_t tb = tile_bytes(job.type, job.cols);
   const uint8_t* tiles[NT];
   BF_UNROLL for (int t = 0; t < NT; ++t) tiles[t] = job.w + (tile0 + t) * tb;
@@ -308,7 +309,7 @@ __attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, 
       Dq::template for_each<NT>(tiles, 32 * c, 32, fma_column);
     }
   }
-  store_acc<MR, NT>(acc, job, 0, tile0);
+  store_acc<MR, NT>(acc, job, row0, tile0);
 }
 
 // Tiles [tile_begin, tile_end) for rows [row0, row0 + MR): groups of NT tiles, the rest in one
@@ -335,6 +336,30 @@ void fused_rows(const TileJob& job, int mr, const float* xp) {
                (job.tile_end - job.tile_begin + nt - 1) / nt * (job.cols / 32));  // 32-column chunks
   }
   fused_tiles<Dq, MR, fused_nt(MR)>(job, xp, job.tile_begin, job.tile_end, side);
+}
+
+// kFusedMaxM + 1 .. 2 kFusedMaxM rows: two halves of MA and MB rows, each tile's two passes back
+// to back (the second reads the tile from L1): the dequantization in registers overlaps the FMAs,
+// where the panel kernel runs it as a phase of its own.
+template <class Dq, int MA, int MB>
+void fused_pairs(const TileJob& job, const float* xa, const float* xb, SideCursor& side) {
+  for (int64_t tile = job.tile_begin; tile < job.tile_end; ++tile) {
+    fused_block<Dq, MA, 1>(job, xa, tile, side, 0);
+    fused_block<Dq, MB, 1>(job, xb, tile, side, MA);
+  }
+}
+
+// ma = mb or mb + 1, kFusedMaxM / 2 < ma <= kFusedMaxM; xa, xb = the halves packed [K][ma], [K][mb].
+template <class Dq, int MA = kFusedMaxM / 2 + 1>
+void fused_halves(const TileJob& job, int ma, int mb, const float* xa, const float* xb) {
+  if constexpr (MA < kFusedMaxM) {
+    if (ma != MA) return fused_halves<Dq, MA + 1>(job, ma, mb, xa, xb);
+  }
+  SideCursor side;
+  if (job.side != nullptr && job.side_end > job.side_begin && job.cols % 32 == 0)
+    side.start(job.side, job.side_begin, job.side_end, 2 * (job.tile_end - job.tile_begin) * (job.cols / 32));
+  if (mb == MA) fused_pairs<Dq, MA, MA>(job, xa, xb, side);
+  else fused_pairs<Dq, MA, MA - 1>(job, xa, xb, side);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -495,6 +520,15 @@ void run_job(const TileJob& job) {
       pack_x(job, 0, static_cast<int>(job.m), xp);
       fused_rows<Dq>(job, static_cast<int>(job.m), xp);
       return;
+    }
+    if constexpr (kFusedHalves) {
+      if (job.m <= 2 * kFusedMaxM && job.m * job.cols <= job_scratch_x_floats(job.cols) && job.cols % 32 == 0) {
+        const int ma = static_cast<int>(job.m + 1) / 2, mb = static_cast<int>(job.m) - ma;
+        pack_x(job, 0, ma, xp);
+        pack_x(job, ma, mb, xp + ma * job.cols);
+        fused_halves<Dq>(job, ma, mb, xp, xp + ma * job.cols);
+        return;
+      }
     }
   }
   panel_path<Dq>(job, xp);
