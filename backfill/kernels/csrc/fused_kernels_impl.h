@@ -422,6 +422,9 @@ void attend_keys(const TileState& st, int64_t kb, const int64_t* offsets, const 
     next_k[j] = p >= st.first && p <= st.last ? st.k_cache + offsets[BK + j] : nullptr;
   }
   for (int64_t jb0 = 0; jb0 < BK; jb0 += KB) {
+    // a score block no row sees (past the last key, before the first): its scores are masked to
+    // -inf below whatever they hold, so they need not be computed (the bits are the same)
+    if (kb + jb0 > st.last || kb + jb0 + KB - 1 < st.first) continue;
     for (int64_t jb = jb0; jb < jb0 + KB; jb += W)
       for (int64_t d0 = 0; d0 < d_len; d0 += W) {
         vf m[W];  // keys jb .. jb + W - 1, dims d0 .. d0 + W - 1; then transposed
