@@ -58,8 +58,8 @@ AI VF vf_nib_hi(VI a) { return vi_to_f(vi_srl<4>(a)); }
 // Blocking (32 zmm): fused MR x NT accumulators + NT weights + scales stay in registers (one row
 // takes 6 tiles: more weight streams in flight, +7-9% on a step from memory vs 4; 7 and 8
 // spill); 9-16 rows take one tile (up to 16 accumulators; on a Zen 5 EPYC the step at batch 9-16
-// ran 8-25% faster than on the panels, its linears ~25%); panels (33+ rows) run 12 x 32 (24 accumulators,
-// 2 weight vectors, broadcasts).
+// ran 8-25% faster than on the panels, its linears ~25%); panels (33+ rows) run 12 x 32 (24
+// accumulators, 2 weight vectors, broadcasts).
 constexpr int kFusedMaxM = 16;
 // 17-32 rows: two fused halves, each tile's passes back to back (on a Zen 5 EPYC the LM head at
 // 32 rows 4.5 -> 4.1 ms; the decode step at batch 20 8% and at 32 6% faster than on the panels).
