@@ -215,8 +215,8 @@ class FusedDecoder {
     return out;
   }
 
-  // Bytes of a layer's K/V the step may prefetch while the layer before runs its MLP (at most; 0:
-  // none). Benchmarks and tests compare with and without; it never changes a result.
+  // Bytes of a layer's K/V the step may prefetch while the layer before runs its o_proj and MLP
+  // (at most; 0: none). Benchmarks and tests compare with and without; it never changes a result.
   void set_kv_prefetch_cap(int64_t bytes) { kv_prefetch_cap_ = std::max<int64_t>(0, bytes); }
   int64_t kv_prefetch_cap() const { return kv_prefetch_cap_; }
   // KV blocks the last step prefetched for each layer after the first.

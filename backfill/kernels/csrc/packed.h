@@ -78,7 +78,9 @@ constexpr int64_t kScratchPanelFloats = 2048 * kTileRows;
 constexpr int64_t kScratchPartRows = 1024;
 constexpr int64_t kScratchPartFloats = kScratchPartRows * 4 * kTileRows;
 constexpr int64_t kScratchXFloats = 512 * 1024 / 4;
-inline int64_t job_scratch_x_floats(int64_t cols) { return kScratchXFloats > 16 * cols ? kScratchXFloats : 16 * cols; }
+inline int64_t job_scratch_x_floats(int64_t cols) {
+  return kScratchXFloats > 16 * cols ? kScratchXFloats : 16 * cols;
+}
 inline int64_t job_scratch_floats(int64_t cols) {
   return kScratchPanelFloats + kScratchPartFloats + job_scratch_x_floats(cols);
 }

@@ -42,8 +42,8 @@ void repack(const QMatrix& raw, uint8_t* out);
 // y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T (+ bias[N]) (+ y if accumulate).
 // Multi-threaded over torch's intra-op pool. Batch invariant: y[i, n] does not depend on M,
 // on the other rows of x, on the thread count or on the ISA. `side` (optional): memory the
-// threads prefetch between their FMA blocks where the GEMM is compute-bound (the panel kernel,
-// M > kFusedMaxM), spread over the work; elsewhere it is ignored. It never changes y.
+// threads prefetch as they compute, spread over their FMA blocks (the scalar kernels ignore it).
+// It never changes y.
 void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, const float* bias, float* y,
                  int64_t ldy, bool accumulate, const SidePrefetch* side = nullptr);
 // out[i, :] = row rows[i] of W as fp32 (bit-exact with dequantize_row_ref).

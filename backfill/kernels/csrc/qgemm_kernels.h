@@ -469,7 +469,8 @@ void panel_group(const TileJob& job, int64_t row_begin, int64_t row_end, const f
       for (int64_t t = next_tile; t < next_tile + NT && t < job.tile_end; ++t)
         next_spans[next_chunk.num_spans++] = reinterpret_cast<const char*>(job.w + t * tb + begin);
       next_chunk.span_lines = (bytes + 63) / 64;
-      if (next_chunk.num_spans > 0) weights.start(&next_chunk, 0, next_chunk.num_spans * next_chunk.span_lines, num_blocks);
+      if (next_chunk.num_spans > 0)
+        weights.start(&next_chunk, 0, next_chunk.num_spans * next_chunk.span_lines, num_blocks);
     }
     int64_t row = row_begin;
     for (int64_t b = 0; b < num_blocks; ++b) {
