@@ -230,7 +230,10 @@ struct SideCursor {
   const char* p = nullptr;
   int64_t span = 0, span_left = 0;
 
+  // Lines [begin, end) of s over `blocks` blocks; nothing to prefetch (no s, no lines, no
+  // blocks) leaves the cursor empty.
   void start(const SidePrefetch* s, int64_t begin, int64_t end, int64_t blocks) {
+    if (s == nullptr || end <= begin || blocks <= 0) return;
     side = s;
     left = end - begin;
     per_block = (left + blocks - 1) / blocks;
@@ -329,12 +332,9 @@ void fused_rows(const TileJob& job, int mr, const float* xp) {
   if constexpr (MR < kFusedMaxM) {
     if (mr != MR) return fused_rows<Dq, MR + 1>(job, mr, xp);
   }
-  SideCursor side;
-  if (job.side != nullptr && job.side_end > job.side_begin && job.cols % 32 == 0) {
-    constexpr int64_t nt = fused_nt(MR);
-    side.start(job.side, job.side_begin, job.side_end,
-               (job.tile_end - job.tile_begin + nt - 1) / nt * (job.cols / 32));  // 32-column chunks
-  }
+  constexpr int64_t nt = fused_nt(MR);
+  SideCursor side;  // one share per 32-column chunk (fused_block)
+  side.start(job.side, job.side_begin, job.side_end, (job.tile_end - job.tile_begin + nt - 1) / nt * (job.cols / 32));
   fused_tiles<Dq, MR, fused_nt(MR)>(job, xp, job.tile_begin, job.tile_end, side);
 }
 
@@ -356,8 +356,7 @@ void fused_halves(const TileJob& job, int ma, int mb, const float* xa, const flo
     if (ma != MA) return fused_halves<Dq, MA + 1>(job, ma, mb, xa, xb);
   }
   SideCursor side;
-  if (job.side != nullptr && job.side_end > job.side_begin && job.cols % 32 == 0)
-    side.start(job.side, job.side_begin, job.side_end, 2 * (job.tile_end - job.tile_begin) * (job.cols / 32));
+  side.start(job.side, job.side_begin, job.side_end, 2 * (job.tile_end - job.tile_begin) * (job.cols / 32));
   if (mb == MA) fused_pairs<Dq, MA, MA>(job, xa, xb, side);
   else fused_pairs<Dq, MA, MA - 1>(job, xa, xb, side);
 }
@@ -469,8 +468,7 @@ void panel_group(const TileJob& job, int64_t row_begin, int64_t row_end, const f
       for (int64_t t = next_tile; t < next_tile + NT && t < job.tile_end; ++t)
         next_spans[next_chunk.num_spans++] = reinterpret_cast<const char*>(job.w + t * tb + begin);
       next_chunk.span_lines = (bytes + 63) / 64;
-      if (next_chunk.num_spans > 0)
-        weights.start(&next_chunk, 0, next_chunk.num_spans * next_chunk.span_lines, num_blocks);
+      weights.start(&next_chunk, 0, next_chunk.num_spans * next_chunk.span_lines, num_blocks);
     }
     int64_t row = row_begin;
     for (int64_t b = 0; b < num_blocks; ++b) {
@@ -489,7 +487,7 @@ void panel_path(const TileJob& job, float* xp) {
   int64_t chunk = kScratchXFloats / job.cols;
   chunk = chunk < kPanelMaxMR ? kPanelMaxMR : chunk > kScratchPartRows ? kScratchPartRows : chunk;
   SideCursor side;
-  if (job.side != nullptr && job.side_end > job.side_begin) {
+  if (job.side != nullptr) {
     const int64_t tiles = job.tile_end - job.tile_begin, groups = tiles / kPanelNT + tiles % kPanelNT;
     const int64_t k_chunks = (job.cols + kPanelKc - 1) / kPanelKc;
     int64_t blocks = 0;  // FMA blocks the job runs (panel_rows calls)
