@@ -175,16 +175,17 @@ int64_t attention_scratch(const AttentionShape& s, int64_t max_rows) {
 }
 
 // o[r][x0 : x0 + DV*W] += sum_j p[r, j] * v_rows[j][x0 : x0 + DV*W] for NR rows (p[r, j] at
-// p + r * p_row + j * p_key): the rows' slices of O stay in registers over the key tile, each
-// V load feeds NR FMAs. Per output element one fma chain over the tile's keys in key order.
-// ahead (null: none): rows of d_len floats to prefetch, ahead[j] (if not null) beside key j.
+// p + r * p_row + j * p_key), over the tile's keys j in [j0, j1): the rows' slices of O stay in
+// registers over them, each V load feeds NR FMAs. Per output element one fma chain over the
+// keys in key order. ahead (null: none): rows of d_len floats to prefetch, ahead[j] (if not
+// null) beside key j.
 template <int64_t DV, int64_t NR>
-inline void pv_block(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t x0, float* o,
-                     int64_t d_len, const float* const* ahead) {
+inline void pv_block(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t j0, int64_t j1,
+                     int64_t x0, float* o, int64_t d_len, const float* const* ahead) {
   vf acc[NR][DV];
   for (int64_t r = 0; r < NR; ++r)
     for (int64_t x = 0; x < DV; ++x) acc[r][x] = load(o + r * d_len + x0 + x * W);
-  for (int64_t j = 0; j < BK; ++j) {
+  for (int64_t j = j0; j < j1; ++j) {
     if (ahead != nullptr && ahead[j] != nullptr)
       for (int64_t x = 0; x < d_len; x += 16) __builtin_prefetch(ahead[j] + x);
     if (v_rows[j] == nullptr) continue;  // outside the tile's key range: p is 0 for every row
@@ -201,38 +202,39 @@ inline void pv_block(const float* p, int64_t p_row, int64_t p_key, const float* 
 
 // The last n (1 <= n <= N) rows as one block.
 template <int64_t DV, int64_t N>
-inline void pv_tail(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t x0, float* o,
-                    int64_t d_len, int64_t n, const float* const* ahead) {
+inline void pv_tail(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t j0, int64_t j1,
+                    int64_t x0, float* o, int64_t d_len, int64_t n, const float* const* ahead) {
   if constexpr (N > 1) {
-    if (n < N) return pv_tail<DV, N - 1>(p, p_row, p_key, v_rows, x0, o, d_len, n, ahead);
+    if (n < N) return pv_tail<DV, N - 1>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, n, ahead);
   }
-  pv_block<DV, N>(p, p_row, p_key, v_rows, x0, o, d_len, ahead);
+  pv_block<DV, N>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, ahead);
 }
 
 template <int64_t DV>
-inline void pv_rows(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t x0, float* o,
-                    int64_t d_len, int64_t rows, const float* const* ahead) {
+inline void pv_rows(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t j0, int64_t j1,
+                    int64_t x0, float* o, int64_t d_len, int64_t rows, const float* const* ahead) {
   constexpr int64_t NR = kAccRegs / DV > 0 ? kAccRegs / DV : 1;
   int64_t r = 0;
   for (; r + NR <= rows; r += NR, ahead = nullptr)
-    pv_block<DV, NR>(p + r * p_row, p_row, p_key, v_rows, x0, o + r * d_len, d_len, ahead);
-  if (r < rows) pv_tail<DV, NR>(p + r * p_row, p_row, p_key, v_rows, x0, o + r * d_len, d_len, rows - r, ahead);
+    pv_block<DV, NR>(p + r * p_row, p_row, p_key, v_rows, j0, j1, x0, o + r * d_len, d_len, ahead);
+  if (r < rows)
+    pv_tail<DV, NR>(p + r * p_row, p_row, p_key, v_rows, j0, j1, x0, o + r * d_len, d_len, rows - r, ahead);
 }
 
-// O[rows, D] += P . V tile, D cut into slices of at most 8 registers; the rows `ahead` are
-// prefetched once, spread over the first block's keys.
-inline void accumulate_pv(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, float* o,
-                          int64_t d_len, int64_t rows, const float* const* ahead = nullptr) {
+// O[rows, D] += P . V over the tile's keys [j0, j1), D cut into slices of at most 8 registers;
+// the rows `ahead` of those keys are prefetched once, spread over the first block's keys.
+inline void accumulate_pv(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t j0,
+                          int64_t j1, float* o, int64_t d_len, int64_t rows, const float* const* ahead = nullptr) {
   for (int64_t x0 = 0; x0 < d_len; x0 += 8 * W, ahead = nullptr) {
     switch ((d_len - x0) / W >= 8 ? 8 : (d_len - x0) / W) {
-      case 1: pv_rows<1>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
-      case 2: pv_rows<2>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
-      case 3: pv_rows<3>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
-      case 4: pv_rows<4>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
-      case 5: pv_rows<5>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
-      case 6: pv_rows<6>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
-      case 7: pv_rows<7>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
-      default: pv_rows<8>(p, p_row, p_key, v_rows, x0, o, d_len, rows, ahead); break;
+      case 1: pv_rows<1>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 2: pv_rows<2>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 3: pv_rows<3>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 4: pv_rows<4>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 5: pv_rows<5>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 6: pv_rows<6>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 7: pv_rows<7>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      default: pv_rows<8>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
     }
   }
 }
@@ -306,10 +308,11 @@ struct TileState {
   const float* zeros;   // [D]
 };
 
-// k_rows[j] / v_rows[j]: key kb + j's K / V rows (zeros / null where no row sees it, and so
-// never read).
-void tile_rows(const TileState& st, int64_t kb, const int64_t* offsets, const float** k_rows, const float** v_rows) {
-  for (int64_t j = 0; j < BK; ++j) {
+// k_rows[j] / v_rows[j] for j in [begin, end): key kb + j's K / V rows (zeros / null where no
+// row sees it, and so never read).
+void tile_rows(const TileState& st, int64_t kb, const int64_t* offsets, const float** k_rows, const float** v_rows,
+               int64_t begin = 0, int64_t end = BK) {
+  for (int64_t j = begin; j < end; ++j) {
     const int64_t p = kb + j;
     const bool seen = p >= st.first && p <= st.last;
     k_rows[j] = seen ? st.k_cache + offsets[j] : st.zeros;
@@ -329,11 +332,12 @@ __attribute__((always_inline)) inline void prefetch_rows(const TileState& st, in
       }
 }
 
-// O[r] *= alpha[r] for the rows whose running max rose this key tile.
+// O[r] *= alpha[r] for the rows whose running max rose this key tile (alpha 0: the row saw no
+// key before, its O is all +0 and stays so).
 void rescale_rows(const TileState& st) {
   for (int64_t r = 0; r < st.rows; ++r) {
     const float a = st.alpha[r];
-    if (a == 1.0f) continue;
+    if (a == 1.0f || a == 0.0f) continue;
     float* o = st.acc + r * st.d_len;
     for (int64_t x = 0; x < st.d_len; x += W) store(o + x, load(o + x) * splat(a));
   }
@@ -403,29 +407,40 @@ void attend_rows(const TileState& st, int64_t kb, const int64_t* offsets, const 
     store(st.alpha + rb, alpha);
   }
   rescale_rows(st);
-  accumulate_pv(st.probs, 1, rows_pad, v_rows, st.acc, d_len, st.rows);
+  accumulate_pv(st.probs, 1, rows_pad, v_rows, 0, BK, st.acc, d_len, st.rows);
 }
 
 // Keys across lanes (decodes): the key tile's K transposed (W x W blocks through registers)
 // into K^T a score block at a time, each row's scores as NV registers of keys, its softmax
-// row by row.
+// row by row. Only the keys some row sees are worked on: the tile's [j0, j1) (a decode's last
+// key tile is mostly past its last key); the others' scores are masked, their P never read.
 void attend_keys(const TileState& st, int64_t kb, const int64_t* offsets, const float** v_rows) {
   const int64_t d_len = st.d_len, rows = st.rows;
+  const int64_t j0 = st.first > kb ? st.first - kb : 0;
+  const int64_t j1 = st.last + 1 - kb < BK ? st.last + 1 - kb : BK;
+  // the K/V rows of the registers keys [j0, j1) fall in (the only ones read below)
   const float* k_rows[BK];
-  tile_rows(st, kb, offsets, k_rows, v_rows);
+  tile_rows(st, kb, offsets, k_rows, v_rows, j0 / W * W, (j1 + W - 1) / W * W);
   // A decode reads each K/V row once: memory bounds it, and prefetches spread over the work
   // keep it busy. V rows go ahead beside the K loads of the same keys, the next key tile's K
-  // rows beside P . V.
-  const float* next_k[BK];
-  for (int64_t j = 0; j < BK; ++j) {
-    const int64_t p = kb + BK + j;
-    next_k[j] = p >= st.first && p <= st.last ? st.k_cache + offsets[BK + j] : nullptr;
-  }
-  for (int64_t jb0 = 0; jb0 < BK; jb0 += KB) {
-    // a score block no row sees (past the last key, before the first): its scores are masked to
-    // -inf below whatever they hold, so they need not be computed (the bits are the same)
-    if (kb + jb0 > st.last || kb + jb0 + KB - 1 < st.first) continue;
-    for (int64_t jb = jb0; jb < jb0 + KB; jb += W)
+  // rows beside P . V (those beside keys outside [j0, j1) here). Null: there is no next tile.
+  const float* next_k_rows[BK];
+  const float* const* next_k = kb + BK <= st.last ? next_k_rows : nullptr;
+  if (next_k != nullptr)
+    for (int64_t j = 0; j < BK; ++j) {
+      const int64_t p = kb + BK + j;
+      next_k_rows[j] = p >= st.first && p <= st.last ? st.k_cache + offsets[BK + j] : nullptr;
+      if ((j < j0 || j >= j1) && next_k_rows[j] != nullptr)
+        for (int64_t x = 0; x < d_len; x += 16) __builtin_prefetch(next_k_rows[j] + x);
+    }
+  const float* q_rows[kKeyLaneRows];
+  for (int64_t r = 0; r < rows; ++r) q_rows[r] = st.q_buf + r * d_len;
+  for (int64_t jb0 = j0 / KB * KB; jb0 < j1; jb0 += KB) {
+    // the block's registers of keys some row sees: [c0, c1) (the scores of the others are
+    // masked to -inf below whatever they hold, so they need not be computed: the bits are the same)
+    const int64_t c0 = jb0 < j0 ? (j0 - jb0) / W : 0;
+    const int64_t c1 = jb0 + KB > j1 ? (j1 - jb0 + W - 1) / W : KV;
+    for (int64_t jb = jb0 + c0 * W; jb < jb0 + c1 * W; jb += W)
       for (int64_t d0 = 0; d0 < d_len; d0 += W) {
         vf m[W];  // keys jb .. jb + W - 1, dims d0 .. d0 + W - 1; then transposed
 #pragma GCC unroll 16
@@ -437,20 +452,30 @@ void attend_keys(const TileState& st, int64_t kb, const int64_t* offsets, const 
 #pragma GCC unroll 16
         for (int64_t i = 0; i < W; ++i) store(st.kt + (d0 + i) * KB + jb - jb0, m[i]);
       }
-    // probs[r][j] = Q'[r] . K[j]: KR rows x KV registers of keys a block
-    const float* q_rows[kKeyLaneRows];
-    for (int64_t r = 0; r < rows; ++r) q_rows[r] = st.q_buf + r * d_len;
+    // probs[r][j] = Q'[r] . K[j]: KR rows x KV registers of keys a block (one register where
+    // only one is seen)
+    const float* kt = st.kt + c0 * W;
+    float* scores = st.probs + jb0 + c0 * W;
+    static_assert(KV == 2, "a score block is one or two registers of keys");
     int64_t r = 0;
-    for (; r + KR <= rows; r += KR) dot_block<KV, KR>(st.kt, KB, q_rows + r, d_len, st.probs + r * BK + jb0, BK);
-    if (r < rows) dot_tail<KV, KR>(st.kt, KB, q_rows + r, d_len, st.probs + r * BK + jb0, BK, rows - r);
+    if (c1 - c0 == KV) {
+      for (; r + KR <= rows; r += KR) dot_block<KV, KR>(kt, KB, q_rows + r, d_len, scores + r * BK, BK);
+      if (r < rows) dot_tail<KV, KR>(kt, KB, q_rows + r, d_len, scores + r * BK, BK, rows - r);
+    } else {
+      for (; r + KR <= rows; r += KR) dot_block<1, KR>(kt, KB, q_rows + r, d_len, scores + r * BK, BK);
+      if (r < rows) dot_tail<1, KR>(kt, KB, q_rows + r, d_len, scores + r * BK, BK, rows - r);
+    }
   }
-  for (int64_t r = 0; r < rows; ++r) {  // mask by position, then the online-softmax update
+  // mask by position, then the online-softmax update, over the registers of seen keys
+  // [v0, v1): the others' p are 0 and would add nothing (x + 0 is x: p is never -0)
+  const int64_t v0 = j0 / W, v1 = (j1 + W - 1) / W;
+  for (int64_t r = 0; r < rows; ++r) {
     float* pr = st.probs + r * BK;
     const vi lo = vi{} + st.lo[r], hi = vi{} + st.hi[r];
     vf sc[NV];
     vi valid[NV];
     vf vmax = splat(kNegInf);
-    for (int64_t v = 0; v < NV; ++v) {
+    for (int64_t v = v0; v < v1; ++v) {
       const vi k_pos = iota() + static_cast<int32_t>(kb + v * W);
       valid[v] = (k_pos >= lo) & (k_pos <= hi);
       sc[v] = valid[v] ? load(pr + v * W) : splat(kNegInf);
@@ -462,17 +487,17 @@ void attend_keys(const TileState& st, int64_t kb, const int64_t* offsets, const 
     const vi seen = vi{} + (new_max > kNegInf ? -1 : 0);
     const float alpha = old_max > kNegInf ? vexp(splat(old_max - new_max))[0] : 0.0f;
     vf sum{};
-    for (int64_t v = 0; v < NV; ++v) {
+    for (int64_t v = v0; v < v1; ++v) {
       const vf pv = valid[v] & seen ? vexp(sc[v] - splat(new_max)) : vf{};
       store(pr + v * W, pv);
-      sum = v == 0 ? pv : sum + pv;
+      sum = v == v0 ? pv : sum + pv;
     }
     st.row_sum[r] = fmadd(splat(st.row_sum[r]), splat(alpha), splat(hsum_tree(sum)))[0];
     st.row_max[r] = new_max;
     st.alpha[r] = alpha;
   }
   rescale_rows(st);
-  accumulate_pv(st.probs, BK, 1, v_rows, st.acc, d_len, rows, next_k);
+  accumulate_pv(st.probs, BK, 1, v_rows, j0, j1, st.acc, d_len, rows, next_k);
 }
 
 // Folds a row's state over one partition (max m, sum s, unnormalized output o [D]) into its
@@ -569,20 +594,27 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
   const int64_t kv_stride = s.num_kv_heads * d_len;  // floats from one token to the next
   const float* v_rows[BK];
   // offsets[j]: floats from the cache start to this head's row of position kb + j, for this
-  // key tile and the next (walked block by block: no division per key)
+  // key tile and the next (the next's carried over to the following tile; a block's rows are
+  // kv_stride apart: one block-table read per block, no division per key)
   int64_t offsets[2 * BK];
-  const int64_t kb_first = first / BK * BK;
+  const int64_t kb_first = first / BK * BK, head_offset = t.kv_head * d_len;
+  int64_t num_known = 0;  // offsets[0 : num_known) are this tile's already
   for (int64_t kb = kb_first; kb <= last; kb += BK) {
     if (kb % PK == 0 && kb != kb_first) end_partition(st);
-    int64_t block = kb / s.block_size, in_block = kb % s.block_size;
     const int64_t end = last + 1 - kb < 2 * BK ? last + 1 - kb : 2 * BK;
-    for (int64_t j = 0; j < end; ++j) {
-      offsets[j] = (t.block_table[block] * s.block_size + in_block) * kv_stride + t.kv_head * d_len;
-      if (++in_block == s.block_size) {
-        in_block = 0;
-        ++block;
+    if (num_known > 0) __builtin_memcpy(offsets, offsets + BK, static_cast<size_t>(num_known) * sizeof(int64_t));
+    if (num_known < end) {
+      int64_t block = (kb + num_known) / s.block_size, in_block = (kb + num_known) % s.block_size;
+      int64_t row = (t.block_table[block] * s.block_size + in_block) * kv_stride + head_offset;
+      for (int64_t j = num_known; j < end; ++j, row += kv_stride) {
+        offsets[j] = row;
+        if (++in_block == s.block_size && j + 1 < end) {
+          in_block = 0;
+          row = t.block_table[++block] * s.block_size * kv_stride + head_offset - kv_stride;
+        }
       }
     }
+    num_known = end - BK;  // the next tile's, if any (this tile's keys reach past kb + BK then)
     if (kb == kb_first) {  // the first rows (keys across lanes: the first key tile's K rows)
       if (keys_across) {
         for (int64_t j = 0; j < BK && kb + j <= last; ++j)
