@@ -143,7 +143,8 @@ def check_kv_prefetch_changes_nothing() -> None:
     with_prefetch, without = CpuDecoder(config, state), CpuDecoder(config, state)
     without.kv_prefetch_cap = 0
     assert with_prefetch.kv_prefetch_cap > 0
-    # (request, new tokens) per step: 12 rows (fused kernel), 40 (panels), then decodes
+    # (request, new tokens) per step: 12 rows, 40, then 17 (AVX-512: the fused kernel, the panels,
+    # two fused halves; AVX2: the panels at all three)
     schedule = [[("a", 7), ("b", 5)], [("a", 1), ("b", 1), ("c", 30), ("d", 8)],
                 [("a", 1), ("b", 1), ("c", 1), ("d", 1), ("e", 10), ("f", 3)]]
     drivers = [PagedDriver(d, num_blocks=64, block_size=8, seed=1) for d in (with_prefetch, without)]
@@ -158,8 +159,8 @@ def check_kv_prefetch_changes_nothing() -> None:
 
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_kv_prefetch_changes_nothing(isa: str) -> None:
-    """The next layer's K/V prefetched while a layer's MLP runs (steps of enough rows: the fused
-    kernel's at 9-16, the panels' past 16) leaves every logit and cache entry as without it."""
+    """The next layer's K/V prefetched while a layer's MLP runs (steps of 12, 40 and 17 rows: every
+    GEMM path that prefetches on this ISA) leaves every logit and cache entry as without it."""
     if isa == "native":
         check_kv_prefetch_changes_nothing()
     else:
