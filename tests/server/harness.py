@@ -101,6 +101,27 @@ def cmdline(pid: int) -> bytes:
         return b""
 
 
+def bound_socket_paths(pids: list[int]) -> set[str]:
+    """The file-system paths of the Unix sockets these processes hold open (bound or listening),
+    from /proc/net/unix and each process's descriptors."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(target[len("socket:["):-1])
+    paths = set()
+    with open("/proc/net/unix") as f:
+        next(f)  # Num RefCount Protocol Flags Type St Inode Path
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith("/"):
+                paths.add(fields[7])
+    return paths
+
+
 def is_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

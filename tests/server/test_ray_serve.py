@@ -27,7 +27,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server.harness import API_KEY, MODEL, ServerProcess, cmdline, descendant_pids, is_alive, start_server, wait_until
+from tests.server.harness import (API_KEY, MODEL, ServerProcess, bound_socket_paths, cmdline, descendant_pids, is_alive,
+                                  start_server, wait_until)
 from tests.server.test_bad_requests import (test_a_body_of_countless_tiny_arrays_is_refused_before_parsing,  # noqa: F401
                                             test_bad_request, test_context_errors_have_the_openai_code,
                                             test_harmless_unknown_fields_are_ignored,
@@ -257,6 +258,9 @@ def test_sigterm_drains_both_replicas_and_leaves_no_ray_process(server: ServerPr
     assert sum(b"ServeReplica" in cmdline(pid) for pid in processes) == 2
     temp_dirs = {path for pid in processes for path in glob.glob("/tmp/backfill-ray-*") if path.encode() in cmdline(pid)}
     assert len(temp_dirs) == 1
+    # Ray's sockets, and each replica's engine core's (ipc://, in a folder of its own)
+    sockets = bound_socket_paths([server.process.pid, *processes])
+    assert sum("backfill-core-" in path for path in sockets) >= 4, sockets  # inputs and outputs, per replica
     # 10 streams of one prompt (the burst spreads over both replicas, as above), and one that
     # cannot finish within the grace period.
     prompts = ["Drain: long ago, in a land far away, where the rivers ran uphill"] * 10 + ["Drain: the long one"]
@@ -282,6 +286,8 @@ def test_sigterm_drains_both_replicas_and_leaves_no_ray_process(server: ServerPr
         [cmdline(pid)[:80] for pid in processes if is_alive(pid)]
     time.sleep(2)  # nothing starts Ray again once the server is gone
     assert not any(os.path.exists(path) for path in temp_dirs)
+    assert not [path for path in sockets if os.path.exists(path)]  # nor any socket's file (or folder)
+    assert not [path for path in sockets if os.path.exists(os.path.dirname(path))]
     assert not [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
                 if any(path.encode() in cmdline(pid) for path in temp_dirs)]
 

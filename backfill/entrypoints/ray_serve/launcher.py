@@ -60,6 +60,9 @@ def run_ray_server(args: argparse.Namespace) -> int:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         temp_dir = tempfile.mkdtemp(prefix="backfill-ray-")
         os.environ["RAY_TMPDIR"] = temp_dir  # for every Ray process: nothing lands in /tmp/ray
+        # NOTE: and their own temporary files (a replica's engine core's socket folder) in it too:
+        # the instance is stopped with SIGKILL, which leaves them no chance to remove them.
+        os.environ["TMPDIR"] = temp_dir
         # However the process ends (the drain's deadline included), the local instance goes too.
         EXIT_HOOKS.append(functools.partial(_remove_local_ray, temp_dir))
     import ray
