@@ -284,6 +284,15 @@ inline void dot_tail(const float* vecs, int64_t vec_stride, const float* const* 
   dot_block<NVEC, N>(vecs, vec_stride, bcast, d_len, out, out_stride);
 }
 
+// Keys across lanes: scores[r * BK + j] = Q'[r] . K[j] for every row and NVEC registers of keys
+// of K^T (kt: [D, KB]), KR rows a block.
+template <int64_t NVEC>
+inline void key_scores(const float* kt, const float* const* q_rows, int64_t rows, int64_t d_len, float* scores) {
+  int64_t r = 0;
+  for (; r + KR <= rows; r += KR) dot_block<NVEC, KR>(kt, KB, q_rows + r, d_len, scores + r * BK, BK);
+  if (r < rows) dot_tail<NVEC, KR>(kt, KB, q_rows + r, d_len, scores + r * BK, BK, rows - r);
+}
+
 // Everything one tile's key walk needs. Per row: the state of the current partition (acc,
 // row_max, row_sum) and of the partitions folded so far (folded_*).
 struct TileState {
@@ -457,14 +466,10 @@ void attend_keys(const TileState& st, int64_t kb, const int64_t* offsets, const 
     const float* kt = st.kt + c0 * W;
     float* scores = st.probs + jb0 + c0 * W;
     static_assert(KV == 2, "a score block is one or two registers of keys");
-    int64_t r = 0;
-    if (c1 - c0 == KV) {
-      for (; r + KR <= rows; r += KR) dot_block<KV, KR>(kt, KB, q_rows + r, d_len, scores + r * BK, BK);
-      if (r < rows) dot_tail<KV, KR>(kt, KB, q_rows + r, d_len, scores + r * BK, BK, rows - r);
-    } else {
-      for (; r + KR <= rows; r += KR) dot_block<1, KR>(kt, KB, q_rows + r, d_len, scores + r * BK, BK);
-      if (r < rows) dot_tail<1, KR>(kt, KB, q_rows + r, d_len, scores + r * BK, BK, rows - r);
-    }
+    if (c1 - c0 == KV)
+      key_scores<KV>(kt, q_rows, rows, d_len, scores);
+    else
+      key_scores<1>(kt, q_rows, rows, d_len, scores);
   }
   // mask by position, then the online-softmax update, over the registers of seen keys
   // [v0, v1): the others' p are 0 and would add nothing (x + 0 is x: p is never -0)
