@@ -25,6 +25,9 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the context length reached
     ABORT = "abort"  # cancelled by the client or the engine
     TIMEOUT = "timeout"  # its deadline passed first (the server answers with an error, not a choice)
+    # its output constraint (structured output) left no token the grammar engine could take, or
+    # failed within the engine's limits (the server answers with an error, not a choice)
+    CONSTRAINT = "constraint"
 
 
 @dataclass

@@ -144,7 +144,7 @@ class SamplingParams:
         self._check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             _fail("top_p", f"must be in (0, 1], got {self.top_p}")
-        self._check_int("top_k", self.top_k, minimum=-1)
+        self._check_int("top_k", self.top_k, minimum=-1, maximum=2**63 - 1)
         self._check_number("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             _fail("min_p", f"must be in [0, 1], got {self.min_p}")

@@ -442,9 +442,11 @@ class Scheduler:
             request.append_output_token(token_id, now)
             changed.append(request)
             if request.grammar is not None and not request.grammar.accept(token_id):
-                # The step's mask allows only what the grammar accepts: this is a defect.
-                logger.error("request %s: the grammar rejected sampled token %d", request.request_id, token_id)
-                request.finish_reason = FinishReason.ABORT
+                # The mask allowed it, yet the grammar engine took it back: it gave up (a limit
+                # of its own, an unsatisfiable schema) or no allowed token was left to sample.
+                logger.warning("request %s: the output constraint failed at token %d: %s", request.request_id,
+                               token_id, request.grammar.failure or "no token it allows could be sampled")
+                request.finish_reason = FinishReason.CONSTRAINT
                 self._leave_running(request)
                 self._finish(request, now)
                 continue

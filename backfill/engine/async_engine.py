@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
+import msgspec
+
 from backfill.core.outputs import StepStats
 from backfill.engine.core_process import CoreProcess
 from backfill.engine.messages import CoreInfo, CoreInputs, CoreLoad, CoreOutputs
@@ -33,6 +35,7 @@ from backfill.request import FinishReason
 from backfill.sampling_params import SamplingParams
 
 _TIMEOUT = FinishReason.TIMEOUT.value  # NOTE: an Enum's .value is a property: read it once
+_CONSTRAINT = FinishReason.CONSTRAINT.value
 logger = logging.getLogger(__name__)
 
 
@@ -56,6 +59,11 @@ class RequestTimeoutError(EngineError):
     """The request's deadline passed before it finished; the core has freed it (HTTP 408)."""
 
 
+class ConstraintFailedError(EngineError):
+    """The request's output constraint could not be met: the grammar engine gave up on it or no
+    token it allows could be sampled (HTTP 400: the request asked for it)."""
+
+
 class RequestFailedError(EngineError):
     """The core could not take one request (a defect: the front end validates first; HTTP 500)."""
 
@@ -72,9 +80,9 @@ class RequestStream:
     """The outputs of one request, in order; ends after the output with `finished=True`.
 
     Iterate it on the event loop. An engine failure, a forced shutdown or the request's deadline
-    ends it by raising (`EngineDeadError` / `EngineStoppedError` / `RequestTimeoutError`); an
-    abort ends it quietly. Closing it early
-    (`close()`) aborts the request.
+    ends it by raising (`EngineDeadError` / `EngineStoppedError` / `RequestTimeoutError`), an
+    output constraint that cannot be met by raising `ConstraintFailedError`; an abort ends it
+    quietly. Closing it early (`close()`) aborts the request.
     """
 
     def __init__(self, request_id: str, engine: AsyncEngine) -> None:
@@ -246,7 +254,19 @@ class AsyncEngine:
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
         self._num_in_transit_seqs += len(request.sequences)
-        self.core.send(CoreInputs(add=request.sequences))
+        try:
+            self.core.send(CoreInputs(add=request.sequences))
+        except BaseException as error:
+            # Nothing reached the core: forget the request, or it would count as waiting forever
+            # (and hold its share of --max-queue).
+            self._streams.pop(request_id, None)
+            self._num_in_transit_seqs -= len(request.sequences)
+            self._output_processor.abort(request_id)
+            if isinstance(error, (OverflowError, msgspec.EncodeError)):
+                # msgpack holds integers in [-2**63, 2**64 - 1]; a field the checks let through
+                # (a number inside a JSON schema) can be larger
+                raise ValueError(f"a number in the request is out of range ({error})") from None
+            raise
         return stream
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
@@ -288,8 +308,9 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:  # aborted since the step began
                 continue
-            if any(c.finish_reason == _TIMEOUT for c in output.outputs):
-                stream.put(RequestTimeoutError("the request did not finish before its deadline (request_timeout)"))
+            failure = _failure(output)
+            if failure is not None:
+                stream.put(failure)
                 del self._streams[output.request_id]
                 core_ids = self._output_processor.abort(output.request_id)  # its other sequences, if live
                 if core_ids:
@@ -311,3 +332,17 @@ class AsyncEngine:
         self._streams.clear()
         if self.on_death is not None:
             self.on_death()
+
+
+def _failure(output: RequestOutput) -> EngineError | None:
+    """The error that ends a request instead of its output (a sequence finished TIMEOUT or
+    CONSTRAINT), or None."""
+    reasons = {c.finish_reason for c in output.outputs}
+    if _TIMEOUT in reasons:
+        return RequestTimeoutError("the request did not finish before its deadline (request_timeout)")
+    if _CONSTRAINT in reasons:
+        return ConstraintFailedError(
+            "the output constraint could not be met: the grammar engine gave up on it within its limits, "
+            "the schema or grammar admits no output, or other settings (allowed_token_ids, bad_words, "
+            "min_tokens, logit_bias) leave no token it allows")
+    return None

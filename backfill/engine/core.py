@@ -101,7 +101,7 @@ class EngineCore:
         self._gather_prompt_logprobs(runner_output)
         changed = self.scheduler.update_from_output(scheduler_output, runner_output, now)
         outputs = _ended(scheduler_output.timed_out_request_ids, FinishReason.TIMEOUT, now)
-        outputs += _ended(failed, FinishReason.ABORT, now)
+        outputs += _ended(failed, FinishReason.CONSTRAINT, now)
         outputs += _outputs(changed, runner_output, now, self.scheduler.num_steps)
         if self._grammars:
             for request_id in [r for r in self._grammars if self.scheduler.get_request(r) is None]:
@@ -128,7 +128,7 @@ class EngineCore:
                 if grammar.error is not None:
                     logger.error("request %s: %s", request_id, grammar.error)
                     failed.append(request_id)
-        self.scheduler.finish_requests(failed, FinishReason.ABORT)
+        self.scheduler.finish_requests(failed, FinishReason.CONSTRAINT)
         return failed
 
     def _grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarBitmask | None:

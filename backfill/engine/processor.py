@@ -53,6 +53,7 @@ class InputProcessor:
             for token_id in ids:
                 if token_id >= self.vocab_size:
                     raise ValueError(f"{name}: token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+        self._check_some_token_allowed(params)
         sequences = []
         for index in range(params.n):
             seq_params = params
@@ -69,6 +70,20 @@ class InputProcessor:
                 deadline=deadline,
             ))
         return ProcessedRequest(request_id, prompt_text, prompt_token_ids, params, arrival_time, sequences)
+
+    def _check_some_token_allowed(self, params: SamplingParams) -> None:
+        """allowed_token_ids must leave a token to sample: not all banned by one-token bad_words,
+        nor all stop tokens while min_tokens holds them off (the sampler would have to take a
+        token outside the list)."""
+        if not params.allowed_token_ids:
+            return
+        allowed = set(params.allowed_token_ids)
+        if allowed <= {word[0] for word in params.bad_words_token_ids or [] if len(word) == 1}:
+            raise ValueError("allowed_token_ids: every allowed token is one of bad_words")
+        if params.min_tokens > 0:
+            held = set(params.stop_token_ids or []) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if allowed <= held:
+                raise ValueError("allowed_token_ids: only stop tokens are allowed, and min_tokens holds them off")
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens as written and after a space (the word mid-text), as vLLM bans them."""

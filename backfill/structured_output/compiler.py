@@ -84,8 +84,18 @@ class GrammarCompiler:
         return self._compiled(params).deep_copy()
 
     def check(self, params: StructuredOutputsParams) -> None:
-        """Raise ValueError("structured_outputs.<field>: ...") if the grammar cannot be used."""
-        self._compiled(params)
+        """Raise ValueError("structured_outputs.<field>: ...") if the grammar cannot be used:
+        rejected when compiled, or given up on before the first token (a copy computes the first
+        mask; bounded by the parser limits, see grammar_text)."""
+        import llguidance.torch
+
+        matcher = self._compiled(params).deep_copy()
+        mask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
+        llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
+        if matcher.is_error():
+            kind, _ = params.source()
+            raise ValueError(f"structured_outputs.{kind}: the grammar engine gave up on it: "
+                             f"{matcher.get_error().splitlines()[0]}")
 
     def _compiled(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """The cached compiled matcher (compiled now on a miss); not to be advanced."""

@@ -73,14 +73,21 @@ class Grammar:
         return self._matcher
 
     def accept(self, token_id: int) -> bool:
-        """Advance past a sampled token; False if the grammar rejects it (a bug upstream: the
-        mask allows only tokens the grammar accepts)."""
-        return bool(self.matcher.consume_token(token_id))
+        """Advance past a sampled token; False if the grammar rejects it or the grammar engine
+        failed (`failure`): the mask allows only tokens it accepts, but its lexer or parser can
+        still give up on one (a limit reached, a schema no output satisfies), and when every
+        allowed token is masked by other settings the sampler takes a disallowed one."""
+        return bool(self.matcher.consume_token(token_id)) and not self.matcher.is_error()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the grammar engine gave up on this sequence (None: it has not)."""
+        return self.matcher.get_error() if self.matcher.is_error() else None
 
     @property
     def terminated(self) -> bool:
-        """No token but EOS can follow: the output is complete."""
-        return bool(self.matcher.is_stopped())
+        """No token but EOS can follow: the output is complete (never after a failure)."""
+        return bool(self.matcher.is_stopped()) and not self.matcher.is_error()
 
 
 @dataclass

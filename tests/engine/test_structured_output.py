@@ -167,12 +167,13 @@ def test_a_slow_compile_does_not_delay_other_requests(llm_fp32: LLM) -> None:
 
 
 def test_a_grammar_that_fails_in_the_core_ends_its_request(llm_fp32: LLM) -> None:
-    """The front ends check grammars first; the core still ends (abort) one that fails."""
+    """The front ends check grammars first; the core still ends one that fails ("constraint":
+    the server answers with an error)."""
     core = llm_fp32.engine.core
     core.add_request(_core_request("bad", [1, 2, 3], SamplingParams(structured_outputs=Structured(regex="("))))
     for _ in range(400):
         outputs = core.step()[0]
         if outputs:
             break
-    assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in outputs] == [("bad", "abort", [])]
+    assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in outputs] == [("bad", "constraint", [])]
     assert core.scheduler.get_request("bad") is None and not core.has_unfinished_requests()

@@ -41,6 +41,9 @@ REFUSED: list[tuple[str, str, dict[str, Any], str]] = [
     ("logits-processors", C, completion(logits_processors=["my.module:Processor"]), "logits_processors"),
     ("beam-search", C, completion(use_beam_search=True), "use_beam_search"),
     ("allowed-token-ids-empty", C, completion(allowed_token_ids=[]), "allowed_token_ids"),
+    ("top-k-past-int64", C, completion(top_k=2**70), "top_k"),
+    ("allowed-all-bad-words", C, completion(allowed_token_ids=[28], bad_words=[","]), "allowed_token_ids"),  # 28: ","
+    ("allowed-stop-under-min-tokens", CH, chat(allowed_token_ids=[2], min_tokens=4), "allowed_token_ids"),  # 2: EOS
     ("truncate-zero", C, completion(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     ("truncate-below-minus-one", CH, chat(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
     ("truncate-over-context", C, completion(truncate_prompt_tokens=10**6), "truncate_prompt_tokens"),
@@ -105,6 +108,31 @@ def test_refused_fields_are_named(server: ServerProcess, case: tuple[str, str, d
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
     assert error["message"].startswith(param), error
+
+
+RECURSIVE = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}  # no finite output
+
+
+@pytest.mark.parametrize("body", [
+    completion(guided_json=RECURSIVE),
+    chat(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": RECURSIVE}}),
+    completion(guided_regex="a{700000}"),  # past the lexer's limits once the first token is taken
+    chat(guided_choice=["yes"], allowed_token_ids=[28]),  # the choice's tokens are not allowed
+], ids=["recursive-schema", "recursive-response-format", "huge-repeat", "choice-not-allowed"])
+def test_a_constraint_that_cannot_be_met_is_a_400_not_an_output(server: ServerProcess, body: dict[str, Any]) -> None:
+    path = CH if "messages" in body else C
+    for _ in range(2):  # found while decoding, then (the grammar engine's state is cached) maybe at once
+        response = post(server, path, body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["type"] == "invalid_request_error", response.text
+    with httpx.stream("POST", server.base_url + path, json={**body, "stream": True}, headers=AUTH,
+                      timeout=120) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    if response.status_code == 200:  # found while decoding: the stream ends with the error
+        assert lines[-1] == "data: [DONE]" and "error" in json.loads(lines[-2][6:]), lines
+        assert not any('"finish_reason":"stop"' in line or '"finish_reason":"abort"' in line for line in lines)
+    else:
+        assert response.status_code == 400
 
 
 def test_fields_that_ask_for_nothing_are_accepted(server: ServerProcess) -> None:

@@ -122,3 +122,24 @@ def test_queued_requests_finish_once_slots_free(small_server: ServerProcess) -> 
     key = 'backfill:request_success_total{finished_reason="length"}'
     assert after[key] - before.get(key, 0) == MAX_QUEUE
     assert httpx.get(small_server.base_url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("field", [
+    {"guided_json": {"type": "integer", "maximum": 2**70}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"const": 2**70}}}},
+])
+def test_a_number_too_large_to_send_is_a_400_and_takes_no_queue_place(small_server: ServerProcess,
+                                                                       field: dict[str, object]) -> None:
+    # msgpack, between the server and its engine core, holds integers up to 2**64 - 1: a larger
+    # one inside a schema is refused, and the refused sequences (n of them) wait nowhere.
+    path = "/chat/completions" if "response_format" in field else "/completions"
+    request = {"model": MODEL, "max_tokens": 2, "n": 2 * MAX_QUEUE, **field,
+               **({"messages": [{"role": "user", "content": "Hi"}]} if "response_format" in field else {"prompt": "Hi"})}
+    for _ in range(3):
+        response = httpx.post(small_server.v1 + path, json=request, headers=AUTH, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and "out of range" in error["message"], error
+    assert small_server.metrics()["backfill:num_requests_waiting"] == 0
+    answer = httpx.post(small_server.v1 + "/completions", json=body(0, 2, False), headers=AUTH, timeout=60)
+    assert answer.status_code == 200, answer.text

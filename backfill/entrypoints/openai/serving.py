@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from backfill.core.outputs import TokenLogprobs
-from backfill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineError, EngineStoppedError,
-                                          QueueFullError, RequestStream, RequestTimeoutError)
+from backfill.engine.async_engine import (AsyncEngine, ConstraintFailedError, EngineDeadError, EngineError,
+                                          EngineStoppedError, QueueFullError, RequestStream, RequestTimeoutError)
 from backfill.entrypoints.openai.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
     ChatTemplateFields, ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -78,6 +78,8 @@ def engine_error(error: BaseException, renames: dict[str, str] | None = None) ->
         # NOTE: 408, not 504: the request's own time ran out (its request_timeout or the
         # server's --request-timeout), not an upstream's; the error names the field to raise.
         return APIError(408, str(error), "timeout_error", "request_timeout", "request_timeout")
+    if isinstance(error, ConstraintFailedError):
+        return APIError(400, str(error), "invalid_request_error", code="constraint_failed")
     if isinstance(error, EngineDeadError):
         return APIError(500, str(error), "server_error", code="engine_dead")
     if isinstance(error, EngineError):
