@@ -264,6 +264,22 @@ def test_tokenize_counts_what_completions_count(server: ServerProcess) -> None:
     assert tokenize(server, messages=QUESTION)["count"] == chat_usage["prompt_tokens"]
 
 
+def test_tokenize_renders_the_tools_the_chat_request_offers(server: ServerProcess) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    for choice in (None, "required", {"type": "function", "function": {"name": "get_weather"}}):
+        fields = {"tools": tools, **({"tool_choice": choice} if choice is not None else {})}
+        usage = post(server, CH, chat(max_tokens=1, **fields)).json()["usage"]
+        assert tokenize(server, messages=QUESTION, **fields)["count"] == usage["prompt_tokens"]
+    assert tokenize(server, messages=QUESTION, tools=tools)["count"] > tokenize(server, messages=QUESTION)["count"]
+    for body, param in (({"prompt": "a", "tools": tools}, "tools"),
+                        ({"messages": QUESTION, "tool_choice": {"type": "function", "function": {"name": "nope"}},
+                          "tools": tools}, "tool_choice"),
+                        ({"messages": QUESTION, "tools": [{"type": "function"}]}, "tools[0].function")):
+        response = post(server, "/tokenize", body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
 def test_version_and_head_health(server: ServerProcess) -> None:
     assert httpx.get(server.base_url + "/version").json() == {"version": backfill.__version__}
     head = httpx.head(server.base_url + "/health")

@@ -2,7 +2,8 @@
 chat template, for clients that count or inspect tokens before they send a request.
 
 A /tokenize body holds `prompt` (tokenized as /v1/completions would) or `messages` (rendered as
-/v1/chat/completions would, with the same chat template controls), never both.
+/v1/chat/completions would, with the same chat template controls and the `tools` and `tool_choice`
+it offers the model), never both.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
-from backfill.entrypoints.openai.protocol import ChatMessage, ChatTemplateFields
-from backfill.entrypoints.openai.wire import ResponseModel, StrictModel, bad_request
+from backfill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ChatTool
+from backfill.entrypoints.openai.wire import ResponseModel, StrictModel, bad_request, validation_error_to_api_error
 from backfill.entrypoints.openai.serving import LONG_TEXT_CHARS
+from backfill.entrypoints.openai.tool_calls import plan_tools
 
 if TYPE_CHECKING:
     from backfill.entrypoints.openai.serving import OpenAIServing
@@ -28,6 +30,8 @@ class TokenizeRequest(StrictModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None  # messages: rendered with them, as the chat request would be
+    tool_choice: Any = None
     return_token_strs: bool = False
 
 
@@ -64,13 +68,19 @@ class TokenizationServing:
             if request.add_special_tokens:
                 raise bad_request("add_special_tokens: the chat template writes the special tokens of a "
                                   "conversation; leave it out with messages", "add_special_tokens")
-            chat = ChatTemplateFields(messages=request.messages, add_generation_prompt=request.add_generation_prompt,
-                                      continue_final_message=request.continue_final_message,
-                                      chat_template_kwargs=request.chat_template_kwargs)
+            fields = {name: getattr(request, name) for name in ("messages", "add_generation_prompt",
+                      "continue_final_message", "chat_template_kwargs", "tools", "tool_choice")}
+            try:
+                chat = ChatCompletionRequest.model_validate(fields)
+            except ValidationError as error:
+                raise validation_error_to_api_error(error.errors()) from None
             chat.check_messages()
-            _, ids = await serving.render_chat(chat)
+            _, ids = await serving.render_chat(chat, plan_tools(chat))
         else:
             assert request.prompt is not None
+            for name in ("tools", "tool_choice"):
+                if getattr(request, name) is not None:
+                    raise bad_request(f"{name}: only with messages", name)
             add_special = request.add_special_tokens is not False
             if len(request.prompt) > LONG_TEXT_CHARS:
                 ids = await asyncio.to_thread(serving.tokenizer.encode, request.prompt, add_special)
