@@ -67,6 +67,9 @@ class IncrementalDetokenizer:
         self._skip_ids = special_token_ids(tokenizer) if params.skip_special_tokens else frozenset()
         self._stop_strings = list(params.stop_list)
         self._include_stop = params.include_stop_str_in_output
+        # Stop strings are looked for only in text after the first min_tokens tokens (vLLM's rule)
+        self._min_tokens = params.min_tokens
+        self._num_tokens = 0
         self._max_stop_len = max((len(s) for s in self._stop_strings), default=0)
 
         # Token strings: prompt context, then output. Invariant: the text of
@@ -110,6 +113,11 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self._finished
 
+    @property
+    def include_stop(self) -> bool:
+        """include_stop_str_in_output: a stop string's, or a stop token's, text is kept."""
+        return self._include_stop
+
     def get_delta(self) -> str:
         """Text released since the previous call: what a stream sends now."""
         delta = "".join(self._delta)
@@ -120,7 +128,15 @@ class IncrementalDetokenizer:
         """Decode new output tokens. Returns the stop string if one matched; the text is then cut
         before it (or after it, with include_stop_str_in_output) and the detokenizer is finished."""
         assert not self._finished, "add_tokens after the detokenizer finished"
-        new_text = "".join([self._decode_next(token_id) for token_id in token_ids])
+        free: list[str] = []  # text of the first min_tokens tokens: no stop string ends in it
+        checked: list[str] = []
+        for token_id in token_ids:
+            self._num_tokens += 1
+            (free if self._num_tokens <= self._min_tokens else checked).append(self._decode_next(token_id))
+        if free:
+            self._release("".join(free))
+            self._tail = ""  # nothing before min_tokens starts a stop string either
+        new_text = "".join(checked)
         if new_text:
             self._accept(new_text, final=False)
         return self._stop_str

@@ -126,7 +126,10 @@ class OutputProcessor:
         touched: dict[str, list[_Sequence]] = {}
         for output in outputs:
             seq = self._sequences.get(output.request_id)
-            if seq is None:  # aborted since the step began
+            # None: aborted since the step began. Finished: a stop string ended it here while the
+            # core, not yet told (the abort is on its way), ran it further: those tokens are not
+            # part of its output.
+            if seq is None or seq.finish_reason is not None:
                 continue
             if self._advance(seq, output):
                 to_abort.append(output.request_id)
@@ -158,7 +161,11 @@ class OutputProcessor:
         seq.token_ids.extend(output.new_token_ids)
         if seq.logprobs is not None and output.new_logprobs:
             seq.logprobs.extend(output.new_logprobs)
-        stop = seq.detokenizer.add_tokens(output.new_token_ids) if output.new_token_ids else None
+        text_ids = output.new_token_ids
+        if (output.stop_token_id is not None and text_ids and text_ids[-1] == output.stop_token_id
+                and not seq.detokenizer.include_stop):
+            text_ids = text_ids[:-1]  # a stop token's (or EOS's) text is left out, as vLLM does
+        stop = seq.detokenizer.add_tokens(text_ids) if text_ids else None
         if stop is not None:
             # A stop string wins over a stop reached by the same token: the text was cut.
             seq.finish_reason, seq.stop_reason = FinishReason.STOP.value, stop

@@ -247,3 +247,19 @@ def test_no_tokens_after_a_stop(tokenizer: Any) -> None:
     assert detokenizer.flush() == ""
     with pytest.raises(AssertionError):
         detokenizer.add_tokens([5])
+
+
+def test_stop_strings_are_looked_for_only_after_min_tokens(tokenizer: Any) -> None:
+    ids = tokenizer.encode("a b a b a b c")
+    for min_tokens, expected in ((0, "a"), (2, "a b a"), (3, "a b a"), (len(ids), "a b a b a b c")):
+        params = SamplingParams(stop=[" b"], min_tokens=min_tokens, max_tokens=len(ids))
+        detokenizer = IncrementalDetokenizer(tokenizer, [], params)
+        shown = ""
+        for i, token_id in enumerate(ids):
+            stop = detokenizer.add_tokens([token_id])
+            shown += detokenizer.get_delta()
+            if stop is not None:
+                break
+        else:
+            shown += detokenizer.flush()
+        assert shown == expected == detokenizer.output_text, (min_tokens, [tokenizer.decode([t]) for t in ids])

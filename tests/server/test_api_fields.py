@@ -370,3 +370,38 @@ def test_return_tokens_as_token_ids(server: ServerProcess) -> None:
     for entry in chat_result["logprobs"]["content"]:
         assert entry["token"].startswith("token_id:") and entry["bytes"] == list(entry["token"].encode())
         assert all(top["token"].startswith("token_id:") for top in entry["top_logprobs"])
+
+
+def test_n_sequences_with_a_stop_string_each_match_their_single_request(server: ServerProcess) -> None:
+    # A sequence a stop string ends in the front end runs on in the core until the abort lands:
+    # those tokens must not reach it (nor break the other sequences' outputs in the same message).
+    body = completion(prompt="Once upon a time", max_tokens=40, temperature=1, seed=5, stop=[" the"], logprobs=0)
+    singles = [post(server, C, {**body, "seed": 5 + i}).json()["choices"][0] for i in range(4)]
+    for _ in range(2):
+        answer = post(server, C, {**body, "n": 4}).json()
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        assert [(c["text"], c["finish_reason"]) for c in choices] == [(s["text"], s["finish_reason"]) for s in singles]
+        assert answer["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in choices)
+    assert sum(s["finish_reason"] == "stop" for s in singles) >= 2, singles  # the case under test happened
+
+
+def test_a_stop_token_s_text_is_left_out_unless_asked_for(server: ServerProcess) -> None:
+    body = completion(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    tokens = post(server, C, {**body, "return_tokens_as_token_ids": True}).json()["choices"][0]["logprobs"]["tokens"]
+    texts = post(server, C, body).json()["choices"][0]["logprobs"]["tokens"]
+    stop_id = int(tokens[2].removeprefix("token_id:"))
+    assert stop_id not in [int(t.removeprefix("token_id:")) for t in tokens[:2]]
+    for include, expected in ((False, "".join(texts[:2])), (True, "".join(texts[:3]))):
+        choice = post(server, C, {**body, "stop_token_ids": [stop_id], "include_stop_str_in_output": include}).json()
+        assert (choice["choices"][0]["text"], choice["choices"][0]["finish_reason"]) == (expected, "stop")
+        assert choice["usage"]["completion_tokens"] == 3
+
+
+def test_min_tokens_holds_off_stop_strings(server: ServerProcess) -> None:
+    body = completion(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    texts = post(server, C, body).json()["choices"][0]["logprobs"]["tokens"]
+    stop = texts[1]  # ends the output at its second token
+    assert post(server, C, {**body, "stop": [stop]}).json()["usage"]["completion_tokens"] == 2
+    answer = post(server, C, {**body, "stop": [stop], "min_tokens": 6}).json()
+    assert answer["usage"]["completion_tokens"] >= 6
+    assert answer["choices"][0]["text"].startswith("".join(texts[:6]))
