@@ -8,6 +8,7 @@ ends a sequence here, and `process()` hands back the ids the core must abort.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,8 @@ from backfill.engine.messages import EngineCoreOutput
 from backfill.engine.processor import ProcessedRequest
 from backfill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from backfill.request import FinishReason
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -131,7 +134,13 @@ class OutputProcessor:
             # part of its output.
             if seq is None or seq.finish_reason is not None:
                 continue
-            if self._advance(seq, output):
+            try:
+                if self._advance(seq, output):
+                    to_abort.append(output.request_id)
+            except Exception:  # noqa: BLE001 - a defect hit by one sequence must not cost the others their output
+                logger.exception("request %s: a step's output could not be applied; the sequence ends (abort)",
+                                 seq.group_id)
+                seq.finish_reason, seq.stop_reason = FinishReason.ABORT.value, None
                 to_abort.append(output.request_id)
             if output.prompt_logprobs is not None:  # the first token has none: nothing predicts it
                 self._groups[seq.group_id].prompt_logprobs = [None, *output.prompt_logprobs]
