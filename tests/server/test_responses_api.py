@@ -84,6 +84,16 @@ def test_max_output_tokens_makes_it_incomplete(client: openai.OpenAI) -> None:
     assert response.usage is not None and response.usage.output_tokens == 3 and response.output_text
 
 
+def test_seed_makes_a_sampled_answer_repeatable(client: openai.OpenAI) -> None:
+    story = "Invent the first line of a story about a dragon."  # open-ended: seeds differ
+    texts = [client.responses.create(model=MODEL, input=story, max_output_tokens=16, temperature=1,
+                                     extra_body={"seed": seed}).output_text for seed in (7, 7, 8, 9)]
+    assert texts[0] == texts[1] and len(set(texts[1:])) > 1, texts
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, extra_body={"seed": "x"})
+    assert error.value.param == "seed"
+
+
 @pytest.mark.parametrize("max_output_tokens, final", [(30, "response.completed"), (3, "response.incomplete")])
 def test_stream_events_in_openai_order(client: openai.OpenAI, max_output_tokens: int, final: str) -> None:
     events = list(client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=max_output_tokens,

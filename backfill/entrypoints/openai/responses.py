@@ -148,6 +148,7 @@ class ResponsesRequest(refused_fields("UnsupportedResponseFields", UNSUPPORTED_R
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None  # not OpenAI's; as on /v1/chat/completions (a field that changes the answer is honoured)
     stream: bool | None = None
     text: TextConfig | None = None
     tools: list[FunctionTool] | None = None
@@ -211,7 +212,8 @@ class ResponsesRequest(refused_fields("UnsupportedResponseFields", UNSUPPORTED_R
         if isinstance(choice, FunctionChoice):
             choice = {"type": "function", "function": {"name": choice.name}}
         return ChatCompletionRequest(model=self.model, messages=messages, max_tokens=self.max_output_tokens,
-                                     temperature=self.temperature, top_p=self.top_p, stream=self.stream,
+                                     temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                                     stream=self.stream,
                                      response_format=response_format, tool_choice=choice,
                                      tools=[tool.to_chat() for tool in self.tools] if self.tools else None,
                                      parallel_tool_calls=self.parallel_tool_calls)
