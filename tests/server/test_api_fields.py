@@ -405,3 +405,21 @@ def test_min_tokens_holds_off_stop_strings(server: ServerProcess) -> None:
     answer = post(server, C, {**body, "stop": [stop], "min_tokens": 6}).json()
     assert answer["usage"]["completion_tokens"] >= 6
     assert answer["choices"][0]["text"].startswith("".join(texts[:6]))
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(server: ServerProcess) -> None:
+    # ~3 MB of text: more characters than max_model_len tokens can cover (the longest token of
+    # SmolLM2's vocabulary is 81 characters), refused without the seconds of tokenizing it
+    models = httpx.get(server.v1 + "/models", headers=AUTH).json()["data"]
+    text = "ab " * (models[0]["max_model_len"] * 81 * 4 // 3 + 1)
+    for path, body, param in ((C, completion(prompt=text), "prompt"),
+                              (CH, chat(messages=[{"role": "user", "content": text}]), "messages"),
+                              ("/tokenize", {"prompt": text}, "prompt"),
+                              ("/tokenize", {"messages": [{"role": "user", "content": text}]}, "messages")):
+        response = post(server, path, body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == (param, "context_length_exceeded") and "characters" in error["message"]
+    # with truncation the prompt is tokenized and its last tokens kept
+    response = post(server, C, completion(prompt=text[:400_000], truncate_prompt_tokens=16, max_tokens=1))
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == 16, response.text

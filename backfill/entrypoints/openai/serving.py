@@ -175,6 +175,11 @@ class OpenAIServing:
         self.token_text = TokenText(tokenizer)
         # Checks output constraints before they are queued (the engine compiles its own).
         self.grammar_compiler = GrammarCompiler(tokenizer, vocab_size)
+        # A token covers at most this many characters of text (its vocabulary string, bytes for
+        # a byte-level BPE; x4 leaves room for a normalizer that merges characters), so a longer
+        # text cannot fit in the context: it is refused without the cost of tokenizing it.
+        longest = max((len(token) for token in tokenizer.hf.get_vocab()), default=1)
+        self.max_prompt_chars = max_model_len * longest * 4
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -263,6 +268,14 @@ class OpenAIServing:
             keep = max(1, self.max_model_len - max(max_tokens or 1, 1))
         return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
+    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Refuse a prompt whose text is too long to fit in the context whatever its tokens."""
+        if num_chars > self.max_prompt_chars:
+            raise bad_request(
+                f"{param}: this model's maximum context length is {self.max_model_len} tokens, and the "
+                f"prompt's {num_chars} characters cannot fit in it (at most {self.max_prompt_chars})",
+                param, "context_length_exceeded")
+
     def _check_prompt(self, token_ids: list[int], param: str) -> None:
         if not token_ids:
             raise bad_request(f"{param}: the prompt encodes to no tokens", param)
@@ -317,6 +330,8 @@ class OpenAIServing:
         self._check_fan_out(len(items), request.n)
         prompts = []
         for item in items:
+            if isinstance(item, str) and request.truncate_prompt_tokens is None:
+                self._check_prompt_chars(len(item), "prompt")
             ids = await self._encode(item) if isinstance(item, str) else list(item)
             kept = self._truncate(ids, request.truncate_prompt_tokens, request.max_tokens)
             self._check_prompt(kept, "prompt")
@@ -507,7 +522,7 @@ class OpenAIServing:
         self.check_model(request.model)
         request.check()
         self._check_fan_out(1, request.n)
-        text, ids = await self.render_chat(request, tool_plan)
+        text, ids = await self.render_chat(request, tool_plan, bounded=request.truncate_prompt_tokens is None)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if request.truncate_prompt_tokens is not None:
             ids = self._truncate(ids, request.truncate_prompt_tokens, max_tokens)
@@ -520,17 +535,21 @@ class OpenAIServing:
         prompts = [_Prompt(text, ids)]
         return prompts, params, await self._submit(request_id, prompts, params, renames, request)
 
-    async def render_chat(self, request: ChatTemplateFields,
-                          tool_plan: ToolPlan | None = None) -> tuple[str, list[int]]:
+    async def render_chat(self, request: ChatTemplateFields, tool_plan: ToolPlan | None = None,
+                          bounded: bool = True) -> tuple[str, list[int]]:
         """The conversation as prompt text and ids (messages checked by `check_messages`), tool
-        calls and results included, with `tool_plan`'s tools offered."""
+        calls and results included, with `tool_plan`'s tools offered. `bounded`: refuse text
+        too long for the context before rendering it (not when the prompt is to be truncated)."""
         messages, tools = prompt_messages(request.messages, tool_plan, self.tokenizer.chat_template)
+        num_chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tools or []))
+        if bounded:
+            self._check_prompt_chars(num_chars, "messages")
         render = functools.partial(self.tokenizer.encode_chat, messages, request.add_generation_prompt,
                                    continue_final_message=request.continue_final_message,
                                    chat_template_kwargs=request.chat_template_kwargs, tools=tools)
         try:
             # Message text is encoded as text: only the template's markers become special tokens.
-            if sum(len(m["content"]) for m in messages) + len(json.dumps(tools or [])) > LONG_TEXT_CHARS:
+            if num_chars > LONG_TEXT_CHARS:
                 return await asyncio.to_thread(render)
             return render()
         except ValueError as error:
