@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,12 +60,18 @@ class ServerProcess:
 
     def stop(self) -> None:
         children = child_pids(self.process.pid)
+        # SIGKILL leaves the engine cores' socket folders (a drained server removes them): found
+        # now, removed once the processes are gone, so the suite leaves nothing in /tmp
+        folders = {os.path.dirname(path) for path in bound_socket_paths([self.process.pid, *children])
+                   if os.path.basename(os.path.dirname(path)).startswith("backfill-core-")}
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=30)
         for pid in children:  # they die with the server anyway (the core watches its parent)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def descendant_pids(pid: int) -> list[int]:
