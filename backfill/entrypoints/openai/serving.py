@@ -268,7 +268,7 @@ class OpenAIServing:
             keep = max(1, self.max_model_len - max(max_tokens or 1, 1))
         return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
-    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
         """Refuse a prompt whose text is too long to fit in the context whatever its tokens."""
         if num_chars > self.max_prompt_chars:
             raise bad_request(
@@ -331,7 +331,7 @@ class OpenAIServing:
         prompts = []
         for item in items:
             if isinstance(item, str) and request.truncate_prompt_tokens is None:
-                self._check_prompt_chars(len(item), "prompt")
+                self.check_prompt_chars(len(item), "prompt")
             ids = await self._encode(item) if isinstance(item, str) else list(item)
             kept = self._truncate(ids, request.truncate_prompt_tokens, request.max_tokens)
             self._check_prompt(kept, "prompt")
@@ -543,7 +543,7 @@ class OpenAIServing:
         messages, tools = prompt_messages(request.messages, tool_plan, self.tokenizer.chat_template)
         num_chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tools or []))
         if bounded:
-            self._check_prompt_chars(num_chars, "messages")
+            self.check_prompt_chars(num_chars, "messages")
         render = functools.partial(self.tokenizer.encode_chat, messages, request.add_generation_prompt,
                                    continue_final_message=request.continue_final_message,
                                    chat_template_kwargs=request.chat_template_kwargs, tools=tools)

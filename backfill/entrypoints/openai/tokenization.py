@@ -78,7 +78,7 @@ class TokenizationServing:
             _, ids = await serving.render_chat(chat, plan_tools(chat))
         else:
             assert request.prompt is not None
-            serving._check_prompt_chars(len(request.prompt), "prompt")  # noqa: SLF001
+            serving.check_prompt_chars(len(request.prompt), "prompt")
             for name in ("tools", "tool_choice"):
                 if getattr(request, name) is not None:
                     raise bad_request(f"{name}: only with messages", name)
