@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from backfill.entrypoints.ray_serve.asgi_call import ForwardedRequest, ResponseStart, call_app
 from backfill.entrypoints.ray_serve.metrics_merge import merge_metrics, router_metrics
-from backfill.entrypoints.ray_serve.mux import Demux, MuxClosed, Outbox
+from backfill.entrypoints.ray_serve.mux import Batch, Demux, MuxClosed, MuxReceiver, MuxSender, Outbox
 from backfill.entrypoints.ray_serve.options import RouterConfig
 from backfill.entrypoints.ray_serve.policy import RoutingPolicy
 from backfill.entrypoints.ray_serve.prefix_index import BLOCK_CHARS, PrefixIndex, block_hashes, routing_text
@@ -187,6 +187,22 @@ def test_an_inbox_takes_its_chunks_before_and_after_its_end() -> None:
     asyncio.run(main())
 
 
+def test_an_inbox_is_complete_at_the_muxs_end_of_its_stream_without_waiting_for_end() -> None:
+    async def main() -> None:
+        demux = Demux()
+        key, inbox = demux.add()
+        taking = asyncio.ensure_future(_take(inbox.bodies()))
+        demux.dispatch([(key, b"x0")])
+        await asyncio.sleep(0.01)
+        assert not taking.done()
+        demux.dispatch([(key, b"x1"), (key, None)])  # the replica's last chunk, then its end
+        assert b"".join(await asyncio.wait_for(taking, 5)) == b"x0x1"
+        inbox.fail(MuxClosed("the mux broke afterwards"))  # not this request's failure
+        assert await _take(inbox.bodies()) == []
+
+    asyncio.run(main())
+
+
 def test_a_broken_mux_fails_the_requests_bound_to_it_only() -> None:
     async def main() -> None:
         demux = Demux()
@@ -218,3 +234,37 @@ def test_an_outbox_sends_what_is_ready_as_one_batch() -> None:
         return [first] + [batch async for batch in batches]
 
     assert asyncio.run(main()) == [[(1, b"t1"), (2, b"t2"), (3, b"t3")], [(1, b"u1")]]
+
+
+def test_mux_batches_cross_zmq_in_order_with_the_load_and_only_for_their_ingress() -> None:
+    """Two replicas' senders, one ingress receiver: every batch arrives whole, each sender's in
+    order, with its mux id and load; a sender with another ingress's token is not heard."""
+
+    async def main() -> list[tuple[int, int, Batch]]:
+        received: list[tuple[int, int, Batch]] = []
+        receiver = MuxReceiver("127.0.0.1", "ingress-token", lambda mux, load, batch: received.append((mux, load, batch)))
+        receiver.start()
+        senders = [MuxSender(receiver.address, "ingress-token", mux) for mux in (1, 2)]
+        stranger = MuxSender(receiver.address, "another-ingress", 3)
+        try:
+            stranger.send([(1, b"injected")], load=0)
+            for step in range(50):
+                for mux, sender in zip((1, 2), senders):
+                    sender.send([(10 * mux, b"step %d" % step), (10 * mux + 1, bytes([step]) * step)], load=step)
+            for _ in range(500):
+                if len(received) == 100:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)  # anything more would have come by now
+        finally:
+            for sender in (*senders, stranger):
+                sender.close()
+            receiver.close()
+        return received
+
+    received = asyncio.run(main())
+    assert len(received) == 100
+    for mux in (1, 2):
+        mine = [(load, batch) for m, load, batch in received if m == mux]
+        assert mine == [(step, [(10 * mux, b"step %d" % step), (10 * mux + 1, bytes([step]) * step)])
+                        for step in range(50)]

@@ -183,7 +183,14 @@ def stream_muxed(client: openai.OpenAI, server: ServerProcess, request: dict[str
     for _ in range(5):
         before = stream_items(server)
         chunks = list(client.completions.create(**request, stream=True))  # type: ignore[call-overload]
-        items = {kind: count - before[kind] for kind, count in stream_items(server).items()}
+
+        def received() -> dict[str, float]:
+            return {kind: count - before[kind] for kind, count in stream_items(server).items()}
+
+        # NOTE: the client stops at [DONE], which may come through the mux before End comes
+        # through the request's own stream: wait for End.
+        wait_until(lambda: received()["inline"] >= 3, timeout=30)
+        items = received()
         if items["inline"] == 3:
             break
     return chunks, items

@@ -4,7 +4,7 @@ Each replica is the `backfill serve` process minus uvicorn: launcher.start_engin
 core process, launcher.app_from_args builds api_server.build_app over it, and every forwarded
 request runs through that app (asgi_call.call_app), so a replica answers exactly as the single
 server does. The event-stream bodies of an ingress's requests go through that ingress's mux
-(open_mux; mux.py) when it has one open here, in batches. The ingress handles the drain; a dead
+(open_mux; mux.py) when it has one open here, in batches, over ZMQ. The ingress handles the drain; a dead
 engine fails the health check and Ray Serve replaces the replica.
 """
 
@@ -23,7 +23,7 @@ from backfill.entrypoints.openai.launcher import app_from_args, check_server_arg
 
 from backfill.entrypoints.ray_serve.asgi_call import (Accepted, End, ForwardedRequest, Pinned, ResponseStart,
                                                       call_app, is_event_stream)
-from backfill.entrypoints.ray_serve.mux import Batch, Outbox
+from backfill.entrypoints.ray_serve.mux import MuxSender, Outbox
 from backfill.entrypoints.ray_serve.router import replica_label
 
 logger = logging.getLogger(__name__)
@@ -60,21 +60,32 @@ class EngineReplica:
             else:
                 yield part
         if muxed:
+            outbox.put(request.stream_key, None)  # type: ignore[union-attr]
             yield End(num_chunks)
 
-    async def open_mux(self, pinned: Pinned, mux_id: str, mux: int) -> AsyncGenerator[Batch, None]:
-        """The ingress `mux_id`'s mux here (its id there: `mux`), as long as the ingress reads it:
-        the event-stream chunks of its requests, in batches. A newer one replaces it."""
+    async def open_mux(self, pinned: Pinned, mux_id: str, mux: int, address: str) -> AsyncGenerator[None, None]:
+        """The ingress `mux_id`'s mux here (its id there: `mux`), as long as the ingress keeps
+        this call open: the event-stream chunks of its requests, in batches, sent to its socket
+        at `address` with this replica's load. The call itself yields nothing. A newer mux from
+        the same ingress replaces it."""
         assert pinned.replica == self._label, (pinned, self._label)
         if (previous := self._outboxes.get(mux_id)) is not None:
             previous.close()
         self._outboxes[mux_id] = outbox = Outbox(mux)
+        sender = MuxSender(address, mux_id, mux)
         try:
             async for batch in outbox.batches():
-                yield batch
+                sender.send(batch, self._load())
         finally:
+            sender.close()
             if self._outboxes.get(mux_id) is outbox:
                 del self._outboxes[mux_id]
+        return
+        yield  # NOTE: unreachable; makes this an async generator (a Ray stream) that yields nothing
+
+    def _load(self) -> int:
+        engine = self._app.state.engine
+        return engine.stats.num_running + engine.num_pending_seqs()
 
     async def metrics_text(self, pinned: Pinned) -> str:
         """For the ingress's /metrics: this replica's metrics text."""
@@ -85,8 +96,7 @@ class EngineReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         """For the router: the engine's load (running + waiting sequences), and the process id.
         NOTE: asked several times a second: only what is cheap (the metrics text is not)."""
-        engine = self._app.state.engine
-        return {"load": engine.stats.num_running + engine.num_pending_seqs(), "pid": os.getpid()}
+        return {"load": self._load(), "pid": os.getpid()}
 
     def check_health(self) -> None:
         if self._app.state.engine.is_dead:

@@ -6,7 +6,8 @@ every request is forwarded whole (method, path, headers, body) through the deplo
 a replica chosen by BackfillRouter, which runs the single server's app on it and streams the
 response back. Server-sent events are passed on as they come; other responses are sent once
 complete, so a replica that dies first still gets the client a proper error. The events come
-through the replica's mux (muxes.py): one Ray item per batch of all the ingress's streams there.
+through the replica's mux (muxes.py): one ZMQ message per batch of all the ingress's streams
+there, to a socket this process binds on `mux_host` (the address of this node in Ray).
 
 - a replica dying mid-request      -> 503 `replica_failed` (or, mid-stream, an error event and [DONE]);
                                       one dying before it accepted the request: another replica
@@ -67,12 +68,13 @@ def shut_down() -> APIError:
 class Forwarder:
     """Sends requests to the replicas and their responses back; tracks what is in flight."""
 
-    def __init__(self, handle: DeploymentHandle, replica_name_prefix: str) -> None:
+    def __init__(self, handle: DeploymentHandle, replica_name_prefix: str, mux_host: str) -> None:
         self._handle = handle.options(stream=True)
         self._metrics_handle = handle.options(method_name="metrics_text", stream=False)
         self._replica_name_prefix = replica_name_prefix
         self._in_flight: set[DeploymentResponseGenerator] = set()
-        self.muxes = Muxes(handle)
+        self._followers: set[asyncio.Task[None]] = set()
+        self.muxes = Muxes(handle, mux_host)
         self.aborting = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -141,12 +143,18 @@ class Forwarder:
                 else:
                     chunks.append(part)
             if streaming and mux:
+                # NOTE: the body may be complete (the mux says so) before End comes: the response
+                # ends then, and the follower is left to read End (Ray Serve counts the request
+                # in flight until its stream ends).
                 follower = asyncio.ensure_future(self.muxes.follow(responses, inbox))
+                self._followers.add(follower)
+                follower.add_done_callback(self._followers.discard)
                 try:
                     async for body in inbox.bodies():
                         await send({"type": "http.response.body", "body": body, "more_body": True})
-                finally:
+                except BaseException:
                     follower.cancel()
+                    raise
         except Exception as failure:  # the replica died, or the drain cancelled the request
             logger.warning("request to a replica failed: %s", type(failure).__name__)
             if mux:  # its mux broke: the replica may still be running it
@@ -224,13 +232,14 @@ async def _send_error(error: APIError, send: Send) -> None:
 
 
 def build_ingress(handle: DeploymentHandle, replica_name_prefix: str, *, api_key: str | None,
-                  shutdown_timeout: float) -> FastAPI:
+                  shutdown_timeout: float, mux_host: str) -> FastAPI:
     """The ingress app; `app.state.drain()` as build_app's (the replicas' requests are what drains)."""
     state = ServerState()
-    forwarder = Forwarder(handle, replica_name_prefix)
+    forwarder = Forwarder(handle, replica_name_prefix, mux_host)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        forwarder.muxes.start()
         await forwarder.open_muxes()
         yield
 

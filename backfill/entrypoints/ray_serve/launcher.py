@@ -179,6 +179,7 @@ def _descendants(pid: int) -> list[int]:
 
 def _serve(args: argparse.Namespace, router_config: RouterConfig, num_replicas: int,
            num_threads: int) -> tuple[int, bool]:
+    import ray
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -199,8 +200,9 @@ def _serve(args: argparse.Namespace, router_config: RouterConfig, num_replicas: 
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S))
     server_args = {k: v for k, v in vars(args).items() if k not in ("func",)}
     handle = serve.run(deployment.bind(server_args), name=APP_NAME, route_prefix=None)
+    # The replicas send their streamed events to a socket of this process, on this node's address in Ray.
     app = build_ingress(handle, f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT_NAME}#", api_key=api_key_from_args(args),
-                        shutdown_timeout=args.shutdown_timeout)
+                        shutdown_timeout=args.shutdown_timeout, mux_host=ray.util.get_node_ip_address())
     logger.info("serving %s on %d replicas (router: %s) on http://%s:%d", args.model or "the default model",
                 num_replicas, router_config.policy, args.host, args.port)
     return serve_app(app, args, app.state.drain)

@@ -52,7 +52,7 @@ def router_metrics(decisions: Mapping[tuple[str, str], int]) -> str:
 
 def stream_item_metrics(num_items: Mapping[str, int]) -> str:
     """backfill:ray_stream_items_total{kind} from kind ("mux", "inline") -> Ray items received."""
-    lines = [f"# HELP {STREAM_ITEMS} Ray stream items the ingress received: mux batches, or a request's own.",
+    lines = [f"# HELP {STREAM_ITEMS} Stream items the ingress received: mux batches (ZMQ), or a request's own (Ray).",
              f"# TYPE {STREAM_ITEMS} counter"]
     lines += [f'{STREAM_ITEMS}{{kind="{kind}"}} {float(count)}' for kind, count in sorted(num_items.items())]
     return "\n".join(lines) + "\n"

@@ -1,26 +1,54 @@
 """One multiplexed stream per replica for the streamed bodies of all of an ingress's requests there.
 
 A streamed response sent as one Ray streaming-generator item per chunk costs ~2 ms of CPU per
-token across the ingress, the replica and Ray. Instead, the ingress opens one stream to each
-replica (EngineReplica.open_mux) and the replica puts every event-stream chunk of that ingress's
-requests into its `Outbox`; each Ray item of the mux is then a batch, what was ready at once
-(an engine step's tokens for all those requests). A request's own stream still carries
-Accepted, ResponseStart and End(num_chunks), and stays open for the request's whole life (Ray
-Serve's accounting, the router's in-flight count, cancellation, replica failures: as before).
+token across the ingress, the replica and Ray; even one Ray item per engine step (a batch) costs
+the ingress a gRPC call, a deserialization on Ray's IO thread and two hand-offs between threads.
+So the events travel outside Ray: the ingress binds one ZMQ PULL socket (`MuxReceiver`) and
+each replica it opens a mux on (EngineReplica.open_mux) connects a PUSH socket to it
+(`MuxSender`); every event-stream chunk of that ingress's requests goes into the replica's
+`Outbox`, and each ZMQ message is a batch, what was ready at once (an engine step's tokens for
+all those requests), with the replica's load (running + waiting sequences) when it was sent.
+
+Ray still carries everything else. The mux call itself is a Ray stream that yields nothing and
+stays open while the replica lives, so a replica that dies breaks it as before. A request's own
+stream carries Accepted, ResponseStart and End(num_chunks), and stays open for the request's
+whole life (Ray Serve's accounting, the router's in-flight count, cancellation, replica
+failures).
 
 At the ingress, `Demux` hands each batch's chunks to the requests' `Inbox`es, by stream key. The
-two Ray streams are not ordered with each other: an inbox takes chunks before or after its End,
-and is complete when End has come and that many chunks. A mux that breaks fails the inboxes bound
-to it. No Ray here.
+mux and a request's own stream are not ordered with each other: an inbox takes chunks before or
+after its End, and is complete when End has come and that many chunks. A mux that breaks fails
+the inboxes bound to it. No Ray here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncGenerator
+import logging
+from collections.abc import AsyncGenerator, Callable
 
-Batch = list[tuple[int, bytes]]  # (stream_key, chunk), in the order the replica sent them
+import msgspec
+import zmq
+
+logger = logging.getLogger(__name__)
+
+# (stream_key, chunk), in the order the replica sent them; chunk None: that stream's last (its
+# body is complete: the ingress ends the response without waiting for End).
+Batch = list[tuple[int, bytes | None]]
+# How long a closed sender keeps trying to deliver what it has queued (its mux was replaced or
+# cancelled: the requests still waiting for those chunks are failed by then, or about to be).
+SENDER_LINGER_MS = 1000
+
+
+class MuxMessage(msgspec.Struct, array_like=True):
+    """One ZMQ message of a mux: a batch of chunks, from the replica of the ingress's mux `mux`.
+    `token`: the ingress's mux id (a message without it is not from one of its replicas)."""
+
+    token: str
+    mux: int
+    load: int  # the replica's engine: running + waiting sequences
+    chunks: Batch
 
 
 class MuxClosed(RuntimeError):
@@ -32,9 +60,10 @@ class Outbox:
 
     def __init__(self, mux: int) -> None:
         self.mux = mux  # the ingress's id of this mux (Accepted.mux)
-        self._queue: asyncio.Queue[tuple[int, bytes] | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, bytes | None] | None] = asyncio.Queue()
 
-    def put(self, stream_key: int, chunk: bytes) -> None:
+    def put(self, stream_key: int, chunk: bytes | None) -> None:
+        """A chunk of the stream `stream_key`; None after its last."""
         self._queue.put_nowait((stream_key, chunk))
 
     def close(self) -> None:
@@ -60,12 +89,14 @@ class Outbox:
 
 
 class Inbox:
-    """One muxed request's body at the ingress: chunks from the mux, End from its own stream."""
+    """One muxed request's body at the ingress: chunks from the mux, End from its own stream.
+    Complete at the mux's end of the stream, or when End has come and that many chunks."""
 
     def __init__(self) -> None:
         self.mux = 0  # the mux it is bound to, once Accepted came (0: none yet)
         self._chunks: list[bytes] = []
         self._num_expected: int | None = None
+        self._complete = False  # the mux said so
         self._failure: Exception | None = None
         self._wake = asyncio.Event()
 
@@ -77,15 +108,20 @@ class Inbox:
         self._num_expected = num_chunks
         self._wake.set()
 
+    def complete(self) -> None:
+        """The mux's end of this stream: every chunk before it in the mux is here."""
+        self._complete = True
+        self._wake.set()
+
     def fail(self, failure: Exception) -> None:
-        """Ends `bodies` with `failure` once the chunks already here are taken (unless End and
-        all its chunks came: then the request is complete and the failure is not its own)."""
+        """Ends `bodies` with `failure` once the chunks already here are taken (unless the body
+        is complete: then the failure is not the request's own)."""
         if self._failure is None:
             self._failure = failure
             self._wake.set()
 
     async def bodies(self) -> AsyncGenerator[bytes, None]:
-        """The chunks as they come (those waiting, joined), until End's count is reached; raises
+        """The chunks as they come (those waiting, joined), until the body is complete; raises
         the failure when one comes first."""
         num_taken = 0
         while True:
@@ -94,7 +130,7 @@ class Inbox:
                 num_taken += len(chunks)
                 yield b"".join(chunks)
                 continue
-            if self._num_expected is not None and num_taken >= self._num_expected:
+            if self._complete or (self._num_expected is not None and num_taken >= self._num_expected):
                 return
             if self._failure is not None:
                 raise self._failure
@@ -123,7 +159,10 @@ class Demux:
         for key, chunk in batch:
             inbox = self._inboxes.get(key)
             if inbox is not None:
-                inbox.put(chunk)
+                if chunk is None:
+                    inbox.complete()
+                else:
+                    inbox.put(chunk)
 
     def fail_mux(self, mux: int, failure: Exception) -> None:
         """Mux `mux` broke: every request bound to it fails (the rest of their chunks is lost)."""
@@ -133,3 +172,75 @@ class Demux:
 
     def __len__(self) -> int:
         return len(self._inboxes)
+
+
+class MuxSender:
+    """A replica's end of the ZMQ channel of one mux (used on the replica's event loop only)."""
+
+    def __init__(self, address: str, token: str, mux: int) -> None:
+        self._token, self._mux = token, mux
+        self._encoder = msgspec.msgpack.Encoder()
+        self._socket = zmq.Context.instance().socket(zmq.PUSH)
+        # NOTE: no high-water mark: a send never blocks nor drops (what the ingress is slow to
+        # take waits here, as it did in Ray's stream); a PUSH socket that connects queues from
+        # the start, before the connection is made.
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.LINGER, SENDER_LINGER_MS)
+        self._socket.connect(address)
+
+    def send(self, batch: Batch, load: int) -> None:
+        message = MuxMessage(self._token, self._mux, load, batch)
+        self._socket.send(self._encoder.encode(message), zmq.NOBLOCK, copy=False)
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+class MuxReceiver:
+    """The ingress's end: one PULL socket for the muxes to all replicas, read on the running
+    loop; `on_message(mux, load, batch)` for each message that carries `token`."""
+
+    def __init__(self, host: str, token: str, on_message: Callable[[int, int, Batch], None]) -> None:
+        self._token = token
+        self._on_message = on_message
+        self._decoder = msgspec.msgpack.Decoder(MuxMessage)
+        self._socket = zmq.Context.instance().socket(zmq.PULL)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        port = self._socket.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = 0
+
+    def start(self) -> None:
+        """Read on the running loop from now on."""
+        self._loop = asyncio.get_running_loop()
+        self._fd = self._socket.getsockopt(zmq.FD)
+        self._loop.add_reader(self._fd, self._readable)
+        self._readable()
+
+    def _readable(self) -> None:
+        # NOTE: a ZMQ socket's FD is edge-triggered: take every message ready (as core_process does).
+        while True:
+            try:
+                frame = self._socket.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                message = self._decoder.decode(frame.buffer)
+            except msgspec.DecodeError:
+                logger.warning("a message on the muxes' socket is not a mux batch: dropped")
+                continue
+            if message.token != self._token:
+                logger.warning("a mux batch for another ingress: dropped")
+                continue
+            try:
+                self._on_message(message.mux, message.load, message.chunks)
+            except Exception:  # noqa: BLE001 - one bad batch must not stop the reading
+                logger.exception("failed to dispatch a mux batch")
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self._fd)
+            self._loop = None
+        self._socket.close()

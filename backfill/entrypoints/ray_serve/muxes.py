@@ -1,11 +1,13 @@
-"""Muxes: the ingress's side of the per-replica muxes (mux.py), over Ray Serve.
+"""Muxes: the ingress's side of the per-replica muxes (mux.py), over Ray Serve and ZMQ.
 
-One mux id per ingress (`mux_id`, sent with every request). A mux to each replica is opened when
-the ingress starts, and whenever a request is accepted by a replica with no open mux from here
-(EngineReplica.open_mux, pinned to it through the same handle and router); each is read by a task
-of its own, which dispatches each
-batch to the requests' inboxes. A mux that ends or breaks (its replica died, or restarted) fails
-the requests bound to it; the next request that replica accepts opens a new one.
+One mux id per ingress (`mux_id`, sent with every request) and one ZMQ socket, where every
+replica's batches arrive (`address`, bound on `host`: the replicas must reach it). A mux to each
+replica is opened when the ingress starts, and whenever a request is accepted by a replica with
+no open mux from here (EngineReplica.open_mux, pinned to it through the same handle and router).
+Each batch goes to the requests' inboxes, and the load it carries to the router
+(policy.report_load). The mux call's own Ray stream is watched by a task of its own: when it
+ends or breaks (its replica died, or restarted), the requests bound to the mux fail; the next
+request that replica accepts opens a new one.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from dataclasses import dataclass
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from backfill.entrypoints.ray_serve.asgi_call import Accepted, End, Pinned
-from backfill.entrypoints.ray_serve.mux import Demux, Inbox, MuxClosed
+from backfill.entrypoints.ray_serve.mux import Batch, Demux, Inbox, MuxClosed, MuxReceiver
+from backfill.entrypoints.ray_serve.policy import report_load
 
 logger = logging.getLogger(__name__)
 
@@ -29,22 +32,34 @@ CLOSE_TIMEOUT_S = 1.0  # for the muxes to end once cancelled (the drain)
 @dataclass
 class _Mux:
     mux: int
+    replica: str
     responses: DeploymentResponseGenerator
     task: asyncio.Task[None]
 
 
 class Muxes:
-    """One mux per replica; `num_items` counts the Ray items received, by kind ("mux": a batch,
-    "inline": an item of a request's own stream)."""
+    """One mux per replica; `num_items` counts the stream items received, by kind ("mux": a
+    batch, "inline": a Ray item of a request's own stream). `start` on the running loop."""
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+    def __init__(self, handle: DeploymentHandle, host: str) -> None:
         self.mux_id = uuid.uuid4().hex
         self.demux = Demux()
         self.num_items: Counter[str] = Counter({"mux": 0, "inline": 0})
         self._handle = handle.options(method_name="open_mux", stream=True)
         self._open: dict[str, _Mux] = {}  # by replica label
+        self._by_mux: dict[int, _Mux] = {}  # the open ones, by mux id
         self._num_opened = 0
         self._closing = False
+        self._receiver = MuxReceiver(host, self.mux_id, self._on_batch)
+
+    def start(self) -> None:
+        self._receiver.start()
+
+    def _on_batch(self, mux: int, load: int, batch: Batch) -> None:
+        self.num_items["mux"] += 1
+        self.demux.dispatch(batch)
+        if (current := self._by_mux.get(mux)) is not None:
+            report_load(current.replica, load)
 
     def bind(self, inbox: Inbox, accepted: Accepted) -> None:
         """A request was accepted: a muxed one's inbox is bound to its mux (and failed at once if
@@ -65,20 +80,22 @@ class Muxes:
             return
         self._num_opened += 1
         mux = self._num_opened
-        responses = self._handle.remote(Pinned(replica), self.mux_id, mux)
-        self._open[replica] = _Mux(mux, responses, asyncio.ensure_future(self._read(mux, responses)))
+        responses = self._handle.remote(Pinned(replica), self.mux_id, mux, self._receiver.address)
+        self._open[replica] = self._by_mux[mux] = _Mux(mux, replica, responses,
+                                                        asyncio.ensure_future(self._watch(mux, responses)))
 
-    async def _read(self, mux: int, responses: DeploymentResponseGenerator) -> None:
+    async def _watch(self, mux: int, responses: DeploymentResponseGenerator) -> None:
+        """The mux call's Ray stream (it yields nothing): its end is the mux's."""
         failure = MuxClosed(f"mux {mux} ended")
         try:
-            async for batch in responses:
-                self.num_items["mux"] += 1
-                self.demux.dispatch(batch)
+            async for _ in responses:
+                pass
         except Exception as error:  # the replica died (or the pinned call found it gone), or the drain closed it
             logger.log(logging.INFO if self._closing else logging.WARNING, "mux %d broke: %s", mux,
                        type(error).__name__)
             failure = MuxClosed(f"mux {mux} broke: {type(error).__name__}")
         finally:
+            self._by_mux.pop(mux, None)
             self.demux.fail_mux(mux, failure)
 
     async def follow(self, responses: DeploymentResponseGenerator, inbox: Inbox) -> None:
@@ -105,3 +122,4 @@ class Muxes:
         for task in tasks:  # NOTE: a mux Ray did not end in time is left to Ray's shutdown
             task.cancel()
         self._open.clear()
+        self._receiver.close()

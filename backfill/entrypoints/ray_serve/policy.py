@@ -13,6 +13,7 @@ otherwise to the replica with the longest cached prefix for it ("prefix"), if th
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 
@@ -118,3 +119,16 @@ def all_decisions() -> dict[tuple[str, str], int]:
         for key, count in policy.decisions().items():
             total[key] = total.get(key, 0) + count
     return total
+
+
+_reported_loads: dict[str, tuple[int, float]] = {}
+
+
+def report_load(replica_label: str, load: int) -> None:
+    """A replica's engine load as it sent it with a mux batch (running + waiting sequences)."""
+    _reported_loads[replica_label] = (load, time.monotonic())
+
+
+def reported_load(replica_label: str) -> tuple[int, float] | None:
+    """The latest load `replica_label` sent with a batch, and when it came (time.monotonic())."""
+    return _reported_loads.get(replica_label)
