@@ -150,11 +150,30 @@ def test_include_stop_str_in_output(server: ServerProcess) -> None:
     cut = text[: text.index(stop)]
     for include, expected in ((False, cut), (True, cut + stop)):
         choice = post(server, C, {**body, "stop": [stop], "include_stop_str_in_output": include}).json()["choices"][0]
-        assert (choice["text"], choice["finish_reason"]) == (expected, "stop")
+        assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (expected, "stop", stop)
     with httpx.stream("POST", server.v1 + "/completions", headers=AUTH, timeout=120,
                       json={**body, "stop": [stop], "include_stop_str_in_output": True, "stream": True}) as response:
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     assert "".join(c["choices"][0]["text"] for c in chunks) == cut + stop
+    # vLLM's stop_reason: what stopped it, in the chunk that says it stopped (and only there)
+    assert [(c["choices"][0]["finish_reason"], c["choices"][0]["stop_reason"]) for c in chunks if c["choices"]][-1] \
+        == ("stop", stop)
+    assert all(c["choices"][0]["stop_reason"] is None for c in chunks[:-1] if c["choices"])
+    assert post(server, C, body).json()["choices"][0]["stop_reason"] is None  # cut by max_tokens
+
+
+def test_chat_stop_reason_names_the_stop_string(server: ServerProcess) -> None:
+    body = chat(max_tokens=16, temperature=0, ignore_eos=True)
+    text = post(server, CH, body).json()["choices"][0]["message"]["content"]
+    stop = text.split()[len(text.split()) // 2]
+    choice = post(server, CH, {**body, "stop": [stop]}).json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    with httpx.stream("POST", server.v1 + "/chat/completions", headers=AUTH, timeout=120,
+                      json={**body, "stop": [stop], "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    finals = [(c["choices"][0]["finish_reason"], c["choices"][0]["stop_reason"]) for c in chunks
+              if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finals == [("stop", stop)]
 
 
 def test_skip_special_tokens(server: ServerProcess) -> None:
@@ -394,6 +413,7 @@ def test_a_stop_token_s_text_is_left_out_unless_asked_for(server: ServerProcess)
     for include, expected in ((False, "".join(texts[:2])), (True, "".join(texts[:3]))):
         choice = post(server, C, {**body, "stop_token_ids": [stop_id], "include_stop_str_in_output": include}).json()
         assert (choice["choices"][0]["text"], choice["choices"][0]["finish_reason"]) == (expected, "stop")
+        assert choice["choices"][0]["stop_reason"] == stop_id
         assert choice["usage"]["completion_tokens"] == 3
 
 

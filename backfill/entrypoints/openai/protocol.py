@@ -445,6 +445,9 @@ class CompletionChoice(ResponseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended the choice (null for EOS, a length cut
+    # or anything else, and in every chunk of a stream but the one with finish_reason).
+    stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
 
 
@@ -485,6 +488,9 @@ class ChatChoice(ResponseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended the choice (null for EOS, a length cut
+    # or anything else, and in every chunk of a stream but the one with finish_reason).
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(ResponseModel):
@@ -511,6 +517,9 @@ class ChatStreamChoice(ResponseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended the choice (null for EOS, a length cut
+    # or anything else, and in every chunk of a stream but the one with finish_reason).
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(ResponseModel):

@@ -417,7 +417,7 @@ class OpenAIServing:
         prompt_logprobs = self.prompt_logprobs_json(prompt_entries, form.names) \
             if form.prompt_logprobs is not None else None
         return CompletionChoice(index=index, text=prefix + text, logprobs=lp, finish_reason=completion.finish_reason,
-                                prompt_logprobs=prompt_logprobs)
+                                stop_reason=completion.stop_reason, prompt_logprobs=prompt_logprobs)
 
     async def _completion_full(self, request_id: str, created: int, streams: list[RequestStream],
                                prompts: list[_Prompt], params: SamplingParams,
@@ -438,8 +438,8 @@ class OpenAIServing:
                            prompts: list[_Prompt], params: SamplingParams, form: _CompletionForm,
                            include_usage: bool) -> AsyncGenerator[str, None]:
         def chunk(index: int, text: str, lp: CompletionLogprobs | None = None,
-                  finish: str | None = None) -> str:
-            choice = CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish)
+                  finish: str | None = None, stop: int | str | None = None) -> str:
+            choice = CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop)
             return sse(CompletionResponse(id=request_id, created=created, model=self.served_model_name,
                                           choices=[choice]))
 
@@ -467,7 +467,7 @@ class OpenAIServing:
                             yield chunk(index, prompts[i].text or "", lp)
                         if form.echo_only:
                             if completion.finish_reason:
-                                yield chunk(index, "", None, completion.finish_reason)
+                                yield chunk(index, "", None, completion.finish_reason, completion.stop_reason)
                             continue
                         num_tokens[index] = len(completion.token_ids)
                         lp = None
@@ -475,7 +475,8 @@ class OpenAIServing:
                             lp, offsets[index] = self._completion_logprobs(
                                 completion.delta_logprobs or [], params.logprobs, offsets.get(index, 0), form.names)
                         if completion.delta_text or completion.finish_reason or (lp and lp.tokens):
-                            yield chunk(index, completion.delta_text, lp, completion.finish_reason)
+                            yield chunk(index, completion.delta_text, lp, completion.finish_reason,
+                                        completion.stop_reason if completion.finish_reason else None)
 
         def usage_chunk() -> CompletionResponse:
             return CompletionResponse(id=request_id, created=created, model=self.served_model_name, choices=[],
@@ -506,7 +507,8 @@ class OpenAIServing:
                 content, calls = tool_plan.parse(completion.text)
                 if calls:
                     message, finish_reason = AssistantMessage(content=content, tool_calls=calls), "tool_calls"
-            choices.append(ChatChoice(index=k, message=message, logprobs=lp, finish_reason=finish_reason))
+            choices.append(ChatChoice(index=k, message=message, logprobs=lp, finish_reason=finish_reason,
+                                      stop_reason=completion.stop_reason))
         usage = self.usage(prompts, sum(len(c.token_ids) for c in finals.values()), streams)
         return ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name,
                                       choices=choices, usage=usage,
@@ -573,8 +575,8 @@ class OpenAIServing:
                      params: SamplingParams, include_usage: bool, tool_plan: ToolPlan | None,
                      names: TokenText | TokenIds) -> AsyncGenerator[str, None]:
         def chunk(index: int, delta: dict[str, Any], lp: ChatLogprobs | None = None,
-                  finish: str | None = None) -> str:
-            choice = ChatStreamChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish)
+                  finish: str | None = None, stop: int | str | None = None) -> str:
+            choice = ChatStreamChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish, stop_reason=stop)
             return sse(ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name,
                                            choices=[choice]))
 
@@ -605,7 +607,7 @@ class OpenAIServing:
                     for i, delta in enumerate(deltas):
                         yield chunk(completion.index, delta, lp if i == 0 else None)
                     if finish_reason is not None:
-                        yield chunk(completion.index, {}, None, finish_reason)
+                        yield chunk(completion.index, {}, None, finish_reason, completion.stop_reason)
 
         def usage_chunk() -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, created=created, model=self.served_model_name, choices=[],
