@@ -17,8 +17,9 @@ failures).
 
 At the ingress, `Demux` hands each batch's chunks to the requests' `Inbox`es, by stream key. The
 mux and a request's own stream are not ordered with each other: an inbox takes chunks before or
-after its End, and is complete when End has come and that many chunks. A mux that breaks fails
-the inboxes bound to it. No Ray here.
+after its End. It is complete when the mux brings the stream's end (the replica puts it after
+the last chunk), or when End has come and that many chunks. A mux that breaks fails the inboxes
+bound to it. No Ray here.
 """
 
 from __future__ import annotations
