@@ -440,14 +440,17 @@ class CompletionLogprobs(ResponseModel):
 PromptLogprobs = list[dict[str, dict[str, Any]] | None]
 
 
+# vLLM's `stop_reason` of a choice: the stop string or stop token id that ended it (null for EOS,
+# a length cut or anything else, and in every chunk of a stream but the one with finish_reason).
+StopReason = int | str | None
+
+
 class CompletionChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    # vLLM's: the stop string or stop token id that ended the choice (null for EOS, a length cut
-    # or anything else, and in every chunk of a stream but the one with finish_reason).
-    stop_reason: int | str | None = None
+    stop_reason: StopReason = None
     prompt_logprobs: PromptLogprobs | None = None
 
 
@@ -488,9 +491,7 @@ class ChatChoice(ResponseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    # vLLM's: the stop string or stop token id that ended the choice (null for EOS, a length cut
-    # or anything else, and in every chunk of a stream but the one with finish_reason).
-    stop_reason: int | str | None = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(ResponseModel):
@@ -517,9 +518,7 @@ class ChatStreamChoice(ResponseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    # vLLM's: the stop string or stop token id that ended the choice (null for EOS, a length cut
-    # or anything else, and in every chunk of a stream but the one with finish_reason).
-    stop_reason: int | str | None = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionChunk(ResponseModel):

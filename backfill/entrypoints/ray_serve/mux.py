@@ -32,6 +32,8 @@ from collections.abc import AsyncGenerator, Callable
 import msgspec
 import zmq
 
+from backfill.engine.core_process import receive_ready
+
 logger = logging.getLogger(__name__)
 
 # (stream_key, chunk), in the order the replica sent them; chunk None: that stream's last (its
@@ -221,24 +223,18 @@ class MuxReceiver:
         self._readable()
 
     def _readable(self) -> None:
-        # NOTE: a ZMQ socket's FD is edge-triggered: take every message ready (as core_process does).
-        while True:
-            try:
-                frame = self._socket.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                message = self._decoder.decode(frame.buffer)
-            except msgspec.DecodeError:
-                logger.warning("a message on the muxes' socket is not a mux batch: dropped")
-                continue
-            if message.token != self._token:
-                logger.warning("a mux batch for another ingress: dropped")
-                continue
-            try:
-                self._on_message(message.mux, message.load, message.chunks)
-            except Exception:  # noqa: BLE001 - one bad batch must not stop the reading
-                logger.exception("failed to dispatch a mux batch")
+        receive_ready(self._socket, self._on_frame, "a mux batch")
+
+    def _on_frame(self, buffer: memoryview) -> None:
+        try:
+            message = self._decoder.decode(buffer)
+        except msgspec.DecodeError:
+            logger.warning("a message on the muxes' socket is not a mux batch: dropped")
+            return
+        if message.token != self._token:
+            logger.warning("a mux batch for another ingress: dropped")
+            return
+        self._on_message(message.mux, message.load, message.chunks)
 
     def close(self) -> None:
         if self._loop is not None:

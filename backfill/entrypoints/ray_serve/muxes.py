@@ -47,7 +47,6 @@ class Muxes:
         self.num_items: Counter[str] = Counter({"mux": 0, "inline": 0})
         self._handle = handle.options(method_name="open_mux", stream=True)
         self._open: dict[str, _Mux] = {}  # by replica label
-        self._by_mux: dict[int, _Mux] = {}  # the open ones, by mux id
         self._num_opened = 0
         self._closing = False
         self._receiver = MuxReceiver(host, self.mux_id, self._on_batch)
@@ -58,8 +57,9 @@ class Muxes:
     def _on_batch(self, mux: int, load: int, batch: Batch) -> None:
         self.num_items["mux"] += 1
         self.demux.dispatch(batch)
-        if (current := self._by_mux.get(mux)) is not None:
-            report_load(current.replica, load)
+        for current in self._open.values():  # a few replicas: no index by mux id to keep
+            if current.mux == mux and not current.task.done():
+                report_load(current.replica, load)
 
     def bind(self, inbox: Inbox, accepted: Accepted) -> None:
         """A request was accepted: a muxed one's inbox is bound to its mux (and failed at once if
@@ -81,8 +81,7 @@ class Muxes:
         self._num_opened += 1
         mux = self._num_opened
         responses = self._handle.remote(Pinned(replica), self.mux_id, mux, self._receiver.address)
-        self._open[replica] = self._by_mux[mux] = _Mux(mux, replica, responses,
-                                                        asyncio.ensure_future(self._watch(mux, responses)))
+        self._open[replica] = _Mux(mux, replica, responses, asyncio.ensure_future(self._watch(mux, responses)))
 
     async def _watch(self, mux: int, responses: DeploymentResponseGenerator) -> None:
         """The mux call's Ray stream (it yields nothing): its end is the mux's."""
@@ -95,7 +94,6 @@ class Muxes:
                        type(error).__name__)
             failure = MuxClosed(f"mux {mux} broke: {type(error).__name__}")
         finally:
-            self._by_mux.pop(mux, None)
             self.demux.fail_mux(mux, failure)
 
     async def follow(self, responses: DeploymentResponseGenerator, inbox: Inbox) -> None:

@@ -73,10 +73,10 @@ class BackfillRouter(RequestRouter):
             await asyncio.sleep(LOAD_POLL_PERIOD_S)
 
     def _engine_load(self, replica: RunningReplica) -> int:
-        polled = self._loads.get(replica.replica_id)
-        pushed = reported_load(replica_label(replica.replica_id))
-        if polled is not None or pushed is not None:
-            return max((x for x in (polled, pushed) if x is not None), key=lambda x: x[1])[0]
+        known = [x for x in (self._loads.get(replica.replica_id), reported_load(replica_label(replica.replica_id)))
+                 if x is not None]
+        if known:
+            return max(known, key=lambda load_and_time: load_and_time[1])[0]  # the latest
         with contextlib.suppress(TypeError, ValueError):
             return int(replica.routing_stats.get("load", 0))
         return 0
