@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
-from backfill.entrypoints.ray_serve.asgi_call import ForwardedRequest, ResponseStart, call_app
+from backfill.entrypoints.ray_serve.asgi_call import BODY_END, ForwardedRequest, ResponseStart, call_app
 from backfill.entrypoints.ray_serve.metrics_merge import merge_metrics, router_metrics
 from backfill.entrypoints.ray_serve.mux import Batch, Demux, MuxClosed, MuxReceiver, MuxSender, Outbox
 from backfill.entrypoints.ray_serve.options import RouterConfig
@@ -160,6 +161,30 @@ def test_call_app_streams_the_response_and_reports_a_disconnect() -> None:
     assert isinstance(start, ResponseStart) and start.status == 200 and (b"x-a", b"1") in start.headers
     assert b"".join(received[1:]).startswith(b"hi0hi1hi2")  # type: ignore[arg-type]
     assert seen == ["closed"]  # the app saw the disconnect and stopped
+
+
+def test_call_app_says_the_body_is_complete_before_the_app_returns() -> None:
+    """BODY_END follows the body's last message at once, not the app's return: the replica ends
+    the muxed stream in the same batch as its last chunk."""
+    released = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await released.wait()  # e.g. closing the engine's streams
+
+    async def main() -> list[object]:
+        parts = call_app(app, ForwardedRequest("POST", "/x", b"", [], b""))
+        received = [await anext(parts) for _ in range(3)]
+        assert not released.is_set()
+        released.set()
+        received += [part async for part in parts]
+        return received
+
+    received = asyncio.run(asyncio.wait_for(main(), 10))
+    assert isinstance(received[0], ResponseStart)
+    assert received[1:] == [b"data: [DONE]\n\n", BODY_END]
 
 
 async def _take(bodies: AsyncIterator[bytes]) -> list[bytes]:

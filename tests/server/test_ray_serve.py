@@ -242,6 +242,8 @@ def _stream(base_url: str, prompt: str, max_tokens: int, events: list[dict[str, 
                     payload = line[len("data: "):]
                     events.append({"done": True} if payload == "[DONE]" else json.loads(payload))
                     started.set()
+    except httpx.HTTPError as error:  # the connection broke: the stream's last event says how
+        events.append({"broken": repr(error)})
     finally:
         started.set()
 
@@ -287,7 +289,7 @@ def test_sigterm_drains_both_replicas_and_leaves_no_ray_process(server: ServerPr
         thread.join(timeout=30)
     for stream in events[:10]:  # every stream that could finish in time did
         assert stream[-1] == {"done": True} and stream[-2]["choices"][0]["finish_reason"] == "length", stream[-2:]
-    assert events[10][-1] == {"done": True}
+    assert events[10][-1] == {"done": True}, events[10][-2:]
     assert events[10][-2]["error"]["code"] == "shutting_down", events[10][-2:]  # type: ignore[index]
     assert wait_until(lambda: not any(is_alive(pid) for pid in processes), timeout=30), \
         [cmdline(pid)[:80] for pid in processes if is_alive(pid)]

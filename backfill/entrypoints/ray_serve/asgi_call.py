@@ -64,14 +64,25 @@ class ResponseStart:
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
 
+class BodyEnd:
+    """What call_app yields once the app has sent its body's last message (BODY_END)."""
+
+    def __repr__(self) -> str:
+        return "BODY_END"
+
+
+BODY_END = BodyEnd()
+
+
 def is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
     """Whether a response's body is server-sent events (passed on as it comes, and muxed)."""
     return dict(headers).get(b"content-type", b"").startswith(b"text/event-stream")
 
 
-async def call_app(app: ASGIApp, request: ForwardedRequest) -> AsyncGenerator[ResponseStart | bytes, None]:
+async def call_app(app: ASGIApp, request: ForwardedRequest) -> AsyncGenerator[ResponseStart | bytes | BodyEnd, None]:
     """Run `request` through `app`: yields a ResponseStart, then the body's chunks as sent (those
-    sent while the previous one was being passed on, joined).
+    sent while the previous one was being passed on, joined), then BODY_END as soon as the app
+    has sent the body's end (before it returns: the body is complete, whatever the app does next).
 
     Closing the generator early (the ingress's client disconnected) is a disconnect for the app.
     """
@@ -113,6 +124,8 @@ async def call_app(app: ASGIApp, request: ForwardedRequest) -> AsyncGenerator[Re
                 more = queued.get("more_body", False)
             if any(body):
                 yield b"".join(body)
+            if not more and not ended:
+                yield BODY_END
             if ended or not more:
                 break
         await task  # raises what the app raised (it sends its own error responses for the rest)

@@ -21,8 +21,8 @@ from ray import serve
 
 from backfill.entrypoints.openai.launcher import app_from_args, check_server_args, start_engine
 
-from backfill.entrypoints.ray_serve.asgi_call import (Accepted, End, ForwardedRequest, Pinned, ResponseStart,
-                                                      call_app, is_event_stream)
+from backfill.entrypoints.ray_serve.asgi_call import (BODY_END, Accepted, End, ForwardedRequest, Pinned,
+                                                      ResponseStart, call_app, is_event_stream)
 from backfill.entrypoints.ray_serve.mux import MuxSender, Outbox
 from backfill.entrypoints.ray_serve.router import replica_label
 
@@ -49,18 +49,26 @@ class EngineReplica:
     async def __call__(self, request: ForwardedRequest) -> AsyncGenerator[Accepted | ResponseStart | End | bytes, None]:
         outbox = self._outboxes.get(request.mux_id) if request.mux_id else None
         yield Accepted(self._label, outbox.mux if outbox is not None else 0)
-        muxed, num_chunks = False, 0
+        muxed, num_chunks, complete = False, 0, False
         async for part in call_app(self._app, request):
             if isinstance(part, ResponseStart):
                 muxed = outbox is not None and is_event_stream(part.headers)
                 yield part
+            elif part is BODY_END:
+                # NOTE: the stream's end goes in the same batch as its last chunk (put in the same
+                # turn of the loop), not after the app returns: a client that hangs up at [DONE]
+                # must not find the ingress still waiting for it.
+                if muxed:
+                    outbox.put(request.stream_key, None)  # type: ignore[union-attr]
+                    complete = True
             elif muxed:
                 outbox.put(request.stream_key, part)  # type: ignore[union-attr]
                 num_chunks += 1
             else:
                 yield part
         if muxed:
-            outbox.put(request.stream_key, None)  # type: ignore[union-attr]
+            if not complete:  # the app returned mid-body
+                outbox.put(request.stream_key, None)  # type: ignore[union-attr]
             yield End(num_chunks)
 
     async def open_mux(self, pinned: Pinned, mux_id: str, mux: int, address: str) -> AsyncGenerator[None, None]:
