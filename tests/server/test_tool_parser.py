@@ -88,6 +88,8 @@ def test_plan_refuses_bad_tools(fields: dict[str, Any], param: str) -> None:
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": {"name": "f"}}, "function_call"),
     ({"messages": [{"role": "tool", "content": "1"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": []}]}, "messages[1].content"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
 ])

@@ -357,6 +357,9 @@ class ChatTemplateFields(StrictModel):
             if message.content is None and message.role != "assistant":
                 raise bad_request(f"messages[{index}].content is required for role {message.role!r}",
                                   f"messages[{index}].content")
+            if message.content == []:  # as OpenAI: an array of parts has at least one
+                raise bad_request(f"messages[{index}].content: empty array; expected at least one content part",
+                                  f"messages[{index}].content")
             if message.tool_calls and message.role != "assistant":
                 raise bad_request(f"messages[{index}].tool_calls: only assistant messages carry tool calls",
                                   f"messages[{index}].tool_calls")
