@@ -189,6 +189,34 @@ def receive_ready(socket: zmq.Socket[Any], on_frame: Callable[[memoryview], None
         except Exception:  # noqa: BLE001 - one bad message must not stop the reading
             logger.exception("failed to handle %s", what)
 
+# The sockets' folder: FOLDER_PREFIX + the front end's pid + "-" + a random suffix (mode 0700).
+FOLDER_PREFIX = "backfill-core-"
+
+
+def remove_stale_folders() -> None:
+    """Remove the socket folders of front ends that are gone: one killed with SIGKILL had no
+    chance to remove its own. Only this user's, and only those whose pid is not running (a folder
+    whose pid was reused stays until that process ends)."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        pid, sep, _ = name.removeprefix(FOLDER_PREFIX).partition("-")
+        if not name.startswith(FOLDER_PREFIX) or not sep or not pid.isdigit() or int(pid) in (0, os.getpid()):
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (OSError, OverflowError):  # gone already, or a running process of another user
+            continue
+
+
 class CoreProcess:
     """The front end's handle on a core process.
 
@@ -201,7 +229,8 @@ class CoreProcess:
     def __init__(self, factory: Callable[[], CoreLike], log_level: int | None = None) -> None:
         self._factory = factory
         self._log_level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
-        self._folder = tempfile.mkdtemp(prefix="backfill-core-")
+        remove_stale_folders()
+        self._folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
         self._context = zmq.Context()
         self._inputs = self._context.socket(zmq.PUSH)
         self._inputs.setsockopt(zmq.SNDHWM, 0)

@@ -8,10 +8,12 @@ running sequence, one per step.
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -22,7 +24,7 @@ import pytest
 
 from backfill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError,
                                           RequestFailedError, RequestTimeoutError)
-from backfill.engine.core_process import CoreStartError, CoreProcess
+from backfill.engine.core_process import FOLDER_PREFIX, CoreProcess, CoreStartError
 from backfill.engine.messages import CoreInputs
 from backfill.tokenizer import Tokenizer, load_tokenizer
 from backfill.outputs import RequestOutput
@@ -293,6 +295,11 @@ def test_no_core_outlives_a_killed_front_end() -> None:
         while is_alive(core_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not is_alive(core_pid)
+        # SIGKILL left the front end no chance to remove its sockets' folder: the next one does
+        stale = glob.glob(os.path.join(tempfile.gettempdir(), f"{FOLDER_PREFIX}{front.pid}-*"))
+        assert len(stale) == 1 and os.listdir(stale[0]), stale
+        CoreProcess(failing_factory).close()
+        assert not os.path.exists(stale[0])
     finally:
         front.kill()
         front.wait(30)
