@@ -100,13 +100,29 @@ def test_streamed_calls_assemble_to_the_whole_answer(client: openai.OpenAI, tool
         [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls or []]
 
 
-def test_a_forced_call_cut_by_max_tokens_is_content(client: openai.OpenAI) -> None:
-    result = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=3, temperature=0,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    choice = result.choices[0]
-    assert choice.finish_reason == "length" and not choice.message.tool_calls
-    assert choice.message.content and choice.message.content.startswith("{")
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_a_forced_call_cut_by_max_tokens_is_answered_whole_as_streamed(client: openai.OpenAI,
+                                                                       tool_choice: Any) -> None:
+    """Named: the call with the argument fragment written so far; required, before any item is
+    complete: that text as content. Either way "length", whole or streamed alike."""
+    fields: dict[str, Any] = dict(model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=3, temperature=0,
+                                  tool_choice=tool_choice)
+    whole = client.chat.completions.create(**fields).choices[0]
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(stream=True, **fields):
+        state.handle_chunk(chunk)
+    streamed = state.current_completion_snapshot.choices[0]
+    for choice in (whole, streamed):
+        assert choice.finish_reason == "length"
+        if isinstance(tool_choice, dict):
+            [call] = choice.message.tool_calls or []
+            assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+            assert not choice.message.content
+        else:
+            assert not choice.message.tool_calls and (choice.message.content or "").startswith("[")
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []] == \
+        [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []]
+    assert (whole.message.content or None) == (streamed.message.content or None)
 
 
 def test_auto_answers_in_text_or_calls_the_same_whole_and_streamed(client: openai.OpenAI) -> None:

@@ -503,10 +503,9 @@ class OpenAIServing:
         for (_, k), completion in sorted(finals.items()):
             lp = self._chat_logprobs(logprobs[(0, k)], params.logprobs, names) if params.logprobs is not None else None
             message, finish_reason = AssistantMessage(content=completion.text), completion.finish_reason
-            if tool_plan is not None:
-                content, calls = tool_plan.parse(completion.text)
-                if calls:
-                    message, finish_reason = AssistantMessage(content=content, tool_calls=calls), "tool_calls"
+            if tool_plan is not None and finish_reason is not None:
+                content, calls, finish_reason = tool_plan.answer(completion.text, finish_reason)
+                message = AssistantMessage(content=content, tool_calls=calls or None)
             choices.append(ChatChoice(index=k, message=message, logprobs=lp, finish_reason=finish_reason,
                                       stop_reason=completion.stop_reason))
         usage = self.usage(prompts, sum(len(c.token_ids) for c in finals.values()), streams)

@@ -11,8 +11,9 @@ What each `tool_choice` does (`ToolPlan`):
   (`parse_auto`): Hermes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, or
   a bare JSON object/array of `{"name", "arguments"|"parameters"}`, naming declared tools.
   Anything else is plain content.
-A forced call whose output does not parse (max_tokens ran out) is answered as content with the
-engine's finish reason: never an error.
+A forced call whose output does not parse (max_tokens ran out) is answered whole as it is
+streamed (`ToolPlan.answer`): the calls or argument fragments written so far (content where
+there are none) with the engine's finish reason: never an error.
 
 The prompt (`prompt_messages`): when the model's chat template mentions `tools`, the tools and
 the tool history go through the template as transformers passes them (`tools=[...]`, assistant
@@ -108,6 +109,32 @@ class ToolPlan:
             if calls:
                 return content, calls if self.parallel else calls[:1]
         return (None, calls) if calls else (text, [])
+
+    def answer(self, text: str, finish_reason: str) -> tuple[str | None, list[ToolCall], str]:
+        """One choice's whole output as (content, tool calls, finish reason). A forced call that
+        does not parse (max_tokens ran out) is answered as its stream answers it: the calls (or
+        argument fragments) the stream would have sent, and the engine's finish reason."""
+        content, calls = self.parse(text)
+        if calls:
+            return content, calls, "tool_calls"
+        if self.mode == "auto":
+            return text, [], finish_reason
+        stream = self.stream()
+        deltas = stream.feed(text, finish_reason)
+        parts: list[str] = []
+        heads: list[dict[str, Any]] = []
+        arguments: list[list[str]] = []
+        for delta in deltas:
+            if "content" in delta:
+                parts.append(delta["content"])
+            for call in delta.get("tool_calls", []):
+                if call["index"] == len(heads):
+                    heads.append(call)
+                    arguments.append([])
+                arguments[call["index"]].append(call["function"].get("arguments", ""))
+        made = [ToolCall(id=head["id"], function=FunctionCall(name=head["function"]["name"], arguments="".join(args)))
+                for head, args in zip(heads, arguments)]
+        return ("".join(parts) if parts or not made else None), made, stream.finish_reason or finish_reason
 
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self)
@@ -293,7 +320,7 @@ class ToolCallStream:
     at the end, as calls if it parses as calls (`ToolPlan.parse`), as content otherwise.
     `finish_reason` is "tool_calls" when the whole output parsed as calls. NOTE: calls sent
     cannot be taken back: a forced output cut by max_tokens ends with the calls (or argument
-    fragments) sent so far and "length", where the whole answer would be content.
+    fragments) sent so far and "length", and the whole answer is the same (`ToolPlan.answer`).
     """
 
     def __init__(self, plan: ToolPlan) -> None:
