@@ -238,6 +238,18 @@ def test_a_streamed_call_assembles_to_the_whole_answer(client: openai.OpenAI, to
     assert deltas == streamed.output[-1].arguments  # type: ignore[union-attr]
 
 
+def test_a_forced_call_cut_by_max_output_tokens_is_the_same_whole_and_streamed(client: openai.OpenAI) -> None:
+    fields: dict[str, Any] = dict(model=MODEL, input=ASK_WEATHER, tools=TOOLS, max_output_tokens=3, temperature=0,
+                                  tool_choice={"type": "function", "name": "get_weather"})
+    whole = client.responses.create(**fields)
+    streamed = list(client.responses.create(stream=True, **fields))[-1].response  # type: ignore[union-attr]
+    for response in (whole, streamed):
+        assert response.status == "incomplete" and response.output_text == ""
+        [call] = response.output
+        assert call.type == "function_call" and call.name == "get_weather" and call.arguments.startswith("{")
+    assert whole.output[0].arguments == streamed.output[0].arguments  # type: ignore[union-attr]
+
+
 def test_auto_answers_the_same_whole_and_streamed(client: openai.OpenAI) -> None:
     fields: dict[str, Any] = dict(model=MODEL, input=ASK_WEATHER, tools=TOOLS, max_output_tokens=48, temperature=0)
     whole = client.responses.create(**fields)

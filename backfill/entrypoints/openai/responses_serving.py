@@ -172,12 +172,11 @@ class ResponsesServing:
         if tool_plan is None:
             items.feed({"content": completion.text})
         else:
-            content, calls = tool_plan.parse(completion.text)
+            content, calls, finish_reason = tool_plan.answer(completion.text, finish_reason or "stop")
             for delta in [{"content": content}] if content else []:
                 items.feed(delta)
             for call in calls:
                 items.feed({"tool_calls": [{"id": call.id, "function": call.function.model_dump()}]})
-            finish_reason = "tool_calls" if calls else finish_reason
         incomplete = finish_reason == "length"
         items.close("incomplete" if incomplete else "completed")
         return finish(items, incomplete, len(completion.token_ids))
