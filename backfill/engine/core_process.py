@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -195,8 +196,9 @@ FOLDER_PREFIX = "backfill-core-"
 
 def remove_stale_folders() -> None:
     """Remove the socket folders of front ends that are gone: one killed with SIGKILL had no
-    chance to remove its own. Only this user's, and only those whose pid is not running (a folder
-    whose pid was reused stays until that process ends)."""
+    chance to remove its own. Only this user's, only those whose pid is not running (a folder
+    whose pid was reused stays until that process ends), and only those whose sockets nothing
+    listens on (a /tmp shared with another pid namespace shows a live front end's pid as gone)."""
     root = tempfile.gettempdir()
     try:
         names = os.listdir(root)
@@ -212,9 +214,21 @@ def remove_stale_folders() -> None:
                 continue
             os.kill(int(pid), 0)
         except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
+            if not _listened_on(os.path.join(path, "outputs")):
+                shutil.rmtree(path, ignore_errors=True)
         except (OSError, OverflowError):  # gone already, or a running process of another user
             continue
+
+
+def _listened_on(path: str) -> bool:
+    """Whether a process listens on the Unix socket at `path` (its file alone is no proof)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:  # refused (no listener), or no such file
+            return False
+    return True
 
 
 class CoreProcess:

@@ -21,10 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import zmq
 
 from backfill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineStoppedError, QueueFullError,
                                           RequestFailedError, RequestTimeoutError)
-from backfill.engine.core_process import FOLDER_PREFIX, CoreProcess, CoreStartError
+from backfill.engine.core_process import FOLDER_PREFIX, CoreProcess, CoreStartError, remove_stale_folders
 from backfill.engine.messages import CoreInputs
 from backfill.tokenizer import Tokenizer, load_tokenizer
 from backfill.outputs import RequestOutput
@@ -303,6 +304,28 @@ def test_no_core_outlives_a_killed_front_end() -> None:
     finally:
         front.kill()
         front.wait(30)
+
+
+def test_a_dead_front_ends_folder_goes_unless_something_listens_there(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Any) -> None:
+    """A folder named after a pid that is gone but whose socket is bound (a /tmp shared with
+    another pid namespace) is kept; once nothing listens there, it goes."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait(30)
+    folder = tmp_path / f"{FOLDER_PREFIX}{gone.pid}-x"
+    folder.mkdir()
+    context = zmq.Context()
+    listener = context.socket(zmq.PULL)
+    listener.bind(f"ipc://{folder}/outputs")
+    try:
+        remove_stale_folders()
+        assert folder.exists()
+    finally:
+        listener.close(linger=0)
+        context.term()
+    remove_stale_folders()
+    assert not folder.exists()
 
 
 def test_messages_to_a_dead_core_are_dropped_not_blocked() -> None:
