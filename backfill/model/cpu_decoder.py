@@ -183,6 +183,24 @@ class CpuDecoder:
         """KV blocks the last step prefetched for each layer but the first."""
         return int(self._step.last_kv_prefetch_blocks)
 
+    @property
+    def row_shards(self) -> int:
+        """How a step's rows meet the threads: -1 (the default) a shard of the sequences per thread,
+        each taken through every layer on its own thread, when the step is short queries that split
+        evenly (decodes, chunks of up to 16 tokens, at least 4 tokens a thread), else each operation
+        over all the threads; 0 never shards; 1 shards any step with a sequence per thread. It
+        changes no result, only how often the threads meet (once a step instead of ~8 times a layer)."""
+        return int(self._step.row_shards)
+
+    @row_shards.setter
+    def row_shards(self, mode: int) -> None:
+        self._step.row_shards = mode
+
+    @property
+    def last_shards(self) -> int:
+        """Shards the last step ran in (1: the whole step, each operation over the threads)."""
+        return int(self._step.last_shards)
+
     def set_profile(self, on: bool) -> None:
         """Start (and zero) or stop the C++ side's timers; see `profile`."""
         self._step.set_profile(on)

@@ -214,6 +214,36 @@ def test_thread_count_invariant() -> None:
         assert torch.equal(one, many), f"step {i} differs between 1 and {max(2, threads)} threads"
 
 
+def test_row_shards_change_nothing() -> None:
+    """Each thread taking its own sequences through every layer (row shards) gives every logit and
+    cache entry the bits of each operation split over the threads; the automatic choice shards a
+    step of decodes and short chunks and not one with a long prompt chunk."""
+    model = tiny_model("gqa2_hd16", num_layers=3, intermediate_size=96, hidden_size=128)
+    sharded, whole = CpuDecoder.from_dense(model), CpuDecoder.from_dense(model)
+    sharded.row_shards, whole.row_shards = 1, 0
+    auto = CpuDecoder.from_dense(model)
+    assert auto.row_shards == -1
+    # 2 sequences, then 7 of decodes and chunks, 12 decodes, a long chunk beside decodes, a lone one
+    decodes = [(f"d{i}", 1) for i in range(12)]
+    schedule = [[("a", 7), ("b", 5)], [("a", 1), ("b", 3), ("c", 30), ("d", 8), ("e", 2), ("f", 1), ("g", 16)],
+                [(r, 20) for r, _ in decodes], decodes, [("a", 1), ("h", 40), ("b", 1)], [("b", 1)]]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(2, threads))
+        drivers = [PagedDriver(d, num_blocks=96, block_size=8, seed=1) for d in (sharded, whole, auto)]
+        auto_shards = []
+        for i, batch in enumerate(token_batches(model.config.vocab_size, seed=9, schedule=schedule)):
+            got, expected, from_auto = (driver.step(batch) for driver in drivers)
+            assert torch.equal(got, expected) and torch.equal(from_auto, expected), f"step {i}: logits differ"
+            assert sharded.last_shards == min(len(batch), max(2, threads)) and whole.last_shards == 1, f"step {i}"
+            auto_shards.append(auto.last_shards)
+            for layer, ((k1, v1), (k2, v2)) in enumerate(zip(drivers[0].kv_caches, drivers[1].kv_caches)):
+                assert torch.equal(k1, k2) and torch.equal(v1, v2), f"step {i} layer {layer}: the caches differ"
+    finally:
+        torch.set_num_threads(threads)
+    assert auto_shards[3] > 1 and auto_shards[4] == auto_shards[5] == 1, auto_shards
+
+
 def run_sequence(decoder: CpuDecoder, tokens: list[int], sizes: list[int], seed: int, companion: bool,
                  greedy: int = 0) -> tuple[list[int], dict[int, torch.Tensor]]:
     """Feeds request x's `tokens` as steps of `sizes` tokens, then `greedy` more tokens one decode

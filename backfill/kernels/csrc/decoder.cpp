@@ -11,6 +11,11 @@
 // included (its arithmetic per query row is fixed by absolute positions, see fused_kernels.h):
 // a sequence's results never depend on its companions, on the thread count, or on how its
 // tokens were cut into steps (the linear kernels guarantee the same for their rows).
+//
+// Threads: a step of many short queries (decodes) is cut into row shards, runs of whole
+// sequences, one per thread, each taken through every layer by its thread alone (the threads
+// meet once a step; weights are read by each, from the shared L3 or memory, which at these
+// batch sizes has the bandwidth to spare). Other steps run each operation over all the threads.
 #include <torch/extension.h>
 
 #include <chrono>
@@ -137,6 +142,12 @@ int64_t l3_prefetch_cap() {
 // memory bus idle for about 2 T P / 12 - W bytes' worth of reads (P weights, W their bytes).
 constexpr int64_t kFlopsPerByte = 12;
 
+// Row shards (FusedDecoder::plan_shards): at least this many tokens a shard, no sequence with
+// more query tokens than this (a prompt chunk's rows are better split by columns, over the
+// threads one operation at a time).
+constexpr int64_t kShardMinRows = 4;
+constexpr int64_t kShardMaxQueries = 16;
+
 class FusedDecoder {
  public:
   FusedDecoder(int64_t vocab_size, int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads,
@@ -167,6 +178,8 @@ class FusedDecoder {
                        make_linear(o_proj, c10::nullopt, hidden_, num_heads_ * head_dim_, "o_proj"),
                        make_linear(gate_up, c10::nullopt, 2 * intermediate_, hidden_, "gate_up_proj"),
                        make_linear(down, c10::nullopt, hidden_, intermediate_, "down_proj")});
+    const Layer& l = layers_.back();
+    for (const Linear* lin : {&l.qkv, &l.o_proj, &l.gate_up, &l.down}) layer_weights_ += lin->rows * lin->cols;
   }
 
   // Runs every layer over the step's T tokens, writing their K/V into `kv_caches`; returns the
@@ -220,7 +233,19 @@ class FusedDecoder {
   void set_kv_prefetch_cap(int64_t bytes) { kv_prefetch_cap_ = std::max<int64_t>(0, bytes); }
   int64_t kv_prefetch_cap() const { return kv_prefetch_cap_; }
   // KV blocks the last step prefetched for each layer after the first.
-  int64_t last_kv_prefetch_blocks() const { return static_cast<int64_t>(plan_.prefetch_blocks.size()); }
+  int64_t last_kv_prefetch_blocks() const {
+    int64_t n = 0;
+    for (int64_t i = 0; i < last_shards_; ++i)
+      n += static_cast<int64_t>(shards_[static_cast<size_t>(i)].plan.prefetch_blocks.size());
+    return n;
+  }
+  // Row shards: -1 (auto, the default) one per thread when the step suits them (see
+  // plan_shards), 0 never, 1 whenever the step has a sequence per thread. Tests and benchmarks
+  // compare them; it never changes a result.
+  void set_row_shards(int64_t mode) { row_shards_ = mode < 0 ? -1 : mode > 0 ? 1 : 0; }
+  int64_t row_shards() const { return row_shards_; }
+  // Shards the last step ran in (1: the whole step, its operations over the threads).
+  int64_t last_shards() const { return last_shards_; }
 
   void set_profile(bool on) {
     profile_ = on;
@@ -264,6 +289,13 @@ class FusedDecoder {
                         block_tables.size(1)};
     TORCH_CHECK(query_start.numel() == meta.num_seqs + 1 && block_tables.size(0) == meta.num_seqs,
                 "query_start must be [S + 1] and block_tables [S, max_blocks]");
+    TORCH_CHECK(meta.query_start[0] == 0 && meta.query_start[meta.num_seqs] == num_tokens,
+                "query_start must run from 0 to the number of tokens");
+    for (int64_t s = 0; s < meta.num_seqs; ++s)
+      TORCH_CHECK(meta.query_start[s + 1] > meta.query_start[s] &&
+                      meta.seq_lens[s] >= meta.query_start[s + 1] - meta.query_start[s],
+                  "sequence ", s, ": query length ", meta.query_start[s + 1] - meta.query_start[s], ", seq_len ",
+                  meta.seq_lens[s]);
 
     const torch::Tensor& k0 = std::get<0>(kv_caches[0]);
     TORCH_CHECK(k0.dim() == 4 && k0.size(2) == num_kv_heads_ && k0.size(3) == head_dim_,
@@ -278,84 +310,208 @@ class FusedDecoder {
       TORCH_CHECK(slots[i] >= 0 && slots[i] < num_blocks * block_size, "slot ", slots[i], " out of range");
     const AttentionShape shape{num_kv_heads_, head_dim_, num_heads_ / num_kv_heads_, block_size,
                                1.0f / std::sqrt(static_cast<float>(head_dim_)), window > 0 ? window : 0};
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const int64_t qkv_cols = q_size + 2 * kv_size;
+    const StepBuffers buf{ids,
+                          pos,
+                          cos_p,
+                          sin_p,
+                          slots,
+                          &kv_caches,
+                          shape,
+                          num_blocks,
+                          ensure(x_, num_tokens * hidden_),                    // [T, hidden] residual stream
+                          ensure(xn_, num_tokens * hidden_),                   // [T, hidden] normed
+                          ensure(qkv_, num_tokens * qkv_cols),                 // [T, (H + 2 Hkv) * D]
+                          ensure(attn_, num_tokens * q_size),                  // [T, H * D]
+                          ensure(gate_up_, num_tokens * 2 * intermediate_),    // [T, 2 * intermediate]
+                          ensure(act_, num_tokens * intermediate_)};           // [T, intermediate]
+    const int64_t num_shards = plan_shards(meta);
+    if (num_shards == 1) {
+      run_shard(shards_[0], meta, buf, true);
+    } else {
+      // One thread per shard, each through every layer on its own rows: no fork or join per
+      // operation (the kernels' own at::parallel_for calls run inline on the shard's thread).
+      at::parallel_for(0, num_shards, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) run_shard(shards_[static_cast<size_t>(i)], meta, buf, i == 0);
+      });
+    }
+    if (profile_) {  // the first shard's time (a shard's operations end together with the others')
+      linear_s_ += shards_[0].linear_s;
+      attention_s_ += shards_[0].attention_s;
+      other_s_ += shards_[0].other_s;
+    }
+  }
+
+  // What every shard of a step reads and writes (the buffers: rows [T, ...], a shard its own).
+  struct StepBuffers {
+    const int64_t* ids;
+    const int64_t* pos;
+    const float* cos;
+    const float* sin;
+    const int64_t* slots;
+    const std::vector<KVCache>* kv_caches;
+    AttentionShape shape;
+    int64_t num_blocks;
+    float *x, *xn, *qkv, *attn, *gate_up, *act;
+  };
+
+  // A run of the step's sequences [seq_begin, seq_end) and their tokens [token_begin, token_end),
+  // taken through every layer by one thread (or the whole step by all of them).
+  struct Shard {
+    int64_t seq_begin = 0, seq_end = 0, token_begin = 0, token_end = 0;
+    std::vector<int64_t> query_start;       // [seqs + 1], from 0 at token_begin
+    AttentionPlan plan;                     // the shard's tiles (and its K/V prefetch)
+    std::vector<const char*> side_spans;    // the next layer's K/V blocks to prefetch (kv_spans)
+    double linear_s = 0.0, attention_s = 0.0, other_s = 0.0;
+  };
+
+  // Cuts the step's sequences into shards_[0 : n) and returns n: one shard per thread when the
+  // step is many short queries (decodes, chunks of a few tokens) that split evenly, else one,
+  // the whole step (its operations then split over the threads one by one). The cut never
+  // changes a result: every row's arithmetic is its own.
+  int64_t plan_shards(const StepMeta& meta) {
+    const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+    const int64_t n = row_shards_ == 0 ? 1 : std::min<int64_t>(threads, meta.num_seqs);
+    // A sequence's cost: its tokens' linears (2 FLOPs a weight) and its attention, (query
+    // heads x keys) x 4 D FLOPs a layer, which run ~6x slower a FLOP (Zen 5: 40 against 250
+    // GFLOP/s a core at 32 decodes over 128 keys).
+    const int64_t row_cost = 2 * layer_weights_;
+    const int64_t key_cost = 24 * head_dim_ * num_heads_ * static_cast<int64_t>(layers_.size());
+    std::vector<int64_t>& cost = shard_cost_;
+    cost.resize(static_cast<size_t>(meta.num_seqs));
+    int64_t total = 0, longest_query = 0;
+    for (int64_t s = 0; s < meta.num_seqs; ++s) {
+      const int64_t num_q = meta.query_start[s + 1] - meta.query_start[s];
+      cost[static_cast<size_t>(s)] = num_q * row_cost + num_q * meta.seq_lens[s] * key_cost;
+      total += cost[static_cast<size_t>(s)];
+      longest_query = std::max(longest_query, num_q);
+    }
+    // contiguous runs of sequences, shard i ending where the running cost passes (i + 1) / n of
+    // the total (each keeps at least one sequence)
+    std::vector<int64_t>& ends = shard_ends_;
+    ends.assign(static_cast<size_t>(n), meta.num_seqs);
+    int64_t most = 0;
+    for (int64_t i = 0, s = 0, done = 0; i < n; ++i) {
+      const int64_t first = s, target = total / n * (i + 1);
+      int64_t mine = 0;
+      while (s < meta.num_seqs - (n - 1 - i) &&
+             (s == first || i + 1 == n || 2 * done + cost[static_cast<size_t>(s)] <= 2 * target)) {
+        done += cost[static_cast<size_t>(s)];
+        mine += cost[static_cast<size_t>(s++)];
+      }
+      ends[static_cast<size_t>(i)] = s;
+      most = std::max(most, mine);
+    }
+    const bool shard = n > 1 && (row_shards_ > 0 || (meta.num_tokens >= n * kShardMinRows &&
+                                                     longest_query <= kShardMaxQueries && 4 * most * n <= 5 * total));
+    const int64_t num_shards = shard ? n : 1;
+    if (!shard) ends[0] = meta.num_seqs;
+    if (static_cast<int64_t>(shards_.size()) < num_shards) shards_.resize(static_cast<size_t>(num_shards));
+    for (int64_t i = 0, s = 0; i < num_shards; ++i) {
+      Shard& sh = shards_[static_cast<size_t>(i)];
+      sh.seq_begin = s;
+      sh.seq_end = s = ends[static_cast<size_t>(i)];
+      sh.token_begin = meta.query_start[sh.seq_begin];
+      sh.token_end = meta.query_start[sh.seq_end];
+      sh.query_start.resize(static_cast<size_t>(sh.seq_end - sh.seq_begin + 1));
+      for (int64_t j = sh.seq_begin; j <= sh.seq_end; ++j)
+        sh.query_start[static_cast<size_t>(j - sh.seq_begin)] = meta.query_start[j] - sh.token_begin;
+    }
+    last_shards_ = num_shards;
+    return num_shards;
+  }
+
+  // Every layer over the shard's tokens. `timed`: this shard keeps the profile's laps.
+  void run_shard(Shard& sh, const StepMeta& step, const StepBuffers& b, bool timed) {
+    const int64_t t0 = sh.token_begin, num_tokens = sh.token_end - sh.token_begin;
+    const StepMeta meta{num_tokens, sh.seq_end - sh.seq_begin, sh.query_start.data(), step.seq_lens + sh.seq_begin,
+                        step.block_tables + sh.seq_begin * step.max_blocks, step.max_blocks};
+    const AttentionShape& shape = b.shape;
+    const std::vector<KVCache>& kv_caches = *b.kv_caches;
+    const int64_t block_size = shape.block_size;
     // Only the K/V the MLP's idle memory bus can bring in (none where the weights' own reads fill
     // it: a few rows, whose GEMM is memory-bound; there the prefetch would slow the weights more
     // than it speeds attention).
     const Layer& l0 = layers_.front();
     const int64_t mlp_weights = l0.gate_up.rows * l0.gate_up.cols + l0.down.rows * l0.down.cols;
     const int64_t idle_bytes = 2 * num_tokens * mlp_weights / kFlopsPerByte - (l0.gate_up.bytes() + l0.down.bytes());
-    plan_.prefetch_budget = std::max<int64_t>(0, std::min(idle_bytes, kv_prefetch_cap_));
-    plan_.build(meta, shape, num_blocks);
+    AttentionPlan& plan = sh.plan;
+    plan.prefetch_budget = std::max<int64_t>(0, std::min(idle_bytes, kv_prefetch_cap_));
+    plan.build(meta, shape, b.num_blocks);
 
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const int64_t qkv_cols = q_size + 2 * kv_size;
-    float* x = ensure(x_, num_tokens * hidden_);                   // [T, hidden] residual stream
-    float* xn = ensure(xn_, num_tokens * hidden_);                 // [T, hidden] normed
-    float* qkv = ensure(qkv_, num_tokens * qkv_cols);              // [T, (H + 2 Hkv) * D]
-    float* attn = ensure(attn_, num_tokens * q_size);              // [T, H * D]
-    float* gate_up = ensure(gate_up_, num_tokens * 2 * intermediate_);  // [T, 2 * intermediate]
-    float* act = ensure(act_, num_tokens * intermediate_);         // [T, intermediate]
+    float* x = b.x + t0 * hidden_;
+    float* xn = b.xn + t0 * hidden_;
+    float* qkv = b.qkv + t0 * qkv_cols;
+    float* attn = b.attn + t0 * q_size;
+    float* gate_up = b.gate_up + t0 * 2 * intermediate_;
+    float* act = b.act + t0 * intermediate_;
 
+    sh.linear_s = sh.attention_s = sh.other_s = 0.0;
+    const bool profile = profile_ && timed;
     auto start = Clock::now();
     auto lap = [&](double& bucket) {
-      if (!profile_) return;
+      if (!profile) return;
       const auto now = Clock::now();
       bucket += std::chrono::duration<double>(now - start).count();
       start = now;
     };
-    packed_dequantize_rows(embedding_.segments[0].matrix, ids, num_tokens, x, hidden_);  // [T, hidden]
-    lap(other_s_);
+    packed_dequantize_rows(embedding_.segments[0].matrix, b.ids + t0, num_tokens, x, hidden_);  // [T, hidden]
+    lap(sh.other_s);
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
       float* k_cache = std::get<0>(kv_caches[l]).data_ptr<float>();  // [blocks, bs, Hkv, D]
       float* v_cache = std::get<1>(kv_caches[l]).data_ptr<float>();  // [blocks, bs, Hkv, D]
       norm_rows(x, layer.input_norm.data_ptr<float>(), num_tokens, xn);
-      lap(other_s_);
+      lap(sh.other_s);
       layer.qkv.run(xn, num_tokens, hidden_, qkv, qkv_cols, false);
-      lap(linear_s_);
-      rope_and_write_kv(qkv, qkv_cols, pos, cos_p, sin_p, slots, num_tokens, k_cache, v_cache);
-      lap(other_s_);
-      plan_.run(attention_, shape, qkv, qkv_cols, k_cache, v_cache, attn, q_size);
-      lap(attention_s_);
+      lap(sh.linear_s);
+      rope_and_write_kv(qkv, qkv_cols, b.pos + t0, b.cos, b.sin, b.slots + t0, num_tokens, k_cache, v_cache);
+      lap(sh.other_s);
+      plan.run(attention_, shape, qkv, qkv_cols, k_cache, v_cache, attn, q_size);
+      lap(sh.attention_s);
       // While o_proj and the MLP compute, the next layer's K/V (the share the budget above allows)
       // comes from memory; its attention then reads it from the caches. The lines are split
       // 15 / 35 / 50% between o_proj, gate_up and down: gate_up, whose output streams through
       // L2, slows most under them (Zen 5, batch 32: its linears 0.6-1 ms faster than 0 / 67 / 33).
       SidePrefetch side_o{nullptr, 0, 0}, side_gu{nullptr, 0, 0}, side_down{nullptr, 0, 0};
-      if (l + 1 < layers_.size() && !plan_.prefetch_blocks.empty()) {
-        kv_spans(std::get<0>(kv_caches[l + 1]).data_ptr<float>(), std::get<1>(kv_caches[l + 1]).data_ptr<float>(),
-                 block_size);
-        const int64_t n = static_cast<int64_t>(side_spans_.size()), line_floats = 64 / sizeof(float);
+      if (l + 1 < layers_.size() && !plan.prefetch_blocks.empty()) {
+        kv_spans(plan, std::get<0>(kv_caches[l + 1]).data_ptr<float>(),
+                 std::get<1>(kv_caches[l + 1]).data_ptr<float>(), block_size, sh.side_spans);
+        const int64_t n = static_cast<int64_t>(sh.side_spans.size()), line_floats = 64 / sizeof(float);
         const int64_t span_lines = block_size * num_kv_heads_ * head_dim_ / line_floats;
-        side_o = {side_spans_.data(), 15 * n / 100, span_lines};
+        side_o = {sh.side_spans.data(), 15 * n / 100, span_lines};
         side_gu = {side_o.spans + side_o.num_spans, 35 * n / 100, span_lines};
         side_down = {side_gu.spans + side_gu.num_spans, n - side_o.num_spans - side_gu.num_spans, span_lines};
       }
       layer.o_proj.run(attn, num_tokens, q_size, x, hidden_, true, &side_o);  // x += attn @ Wo^T
-      lap(linear_s_);
+      lap(sh.linear_s);
       norm_rows(x, layer.post_norm.data_ptr<float>(), num_tokens, xn);
-      lap(other_s_);
+      lap(sh.other_s);
       layer.gate_up.run(xn, num_tokens, hidden_, gate_up, 2 * intermediate_, false, &side_gu);
-      lap(linear_s_);
+      lap(sh.linear_s);
       at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
           const float* row = gate_up + t * 2 * intermediate_;  // [gate | up]
           elementwise_.silu_mul(row, row + intermediate_, intermediate_, act + t * intermediate_);
         }
       });
-      lap(other_s_);
+      lap(sh.other_s);
       layer.down.run(act, num_tokens, intermediate_, x, hidden_, true, &side_down);  // x += act @ Wdown^T
-      lap(linear_s_);
+      lap(sh.linear_s);
     }
   }
 
-  // side_spans_ = the K and V blocks of plan_.prefetch_blocks in these caches, in that order.
-  void kv_spans(const float* k_cache, const float* v_cache, int64_t block_size) {
+  // spans = the K and V blocks of plan.prefetch_blocks in these caches, in that order.
+  void kv_spans(const AttentionPlan& plan, const float* k_cache, const float* v_cache, int64_t block_size,
+                std::vector<const char*>& spans) const {
     const int64_t block_floats = block_size * num_kv_heads_ * head_dim_;
-    side_spans_.clear();
-    for (const int64_t id : plan_.prefetch_blocks) {
-      side_spans_.push_back(reinterpret_cast<const char*>(k_cache + id * block_floats));
-      side_spans_.push_back(reinterpret_cast<const char*>(v_cache + id * block_floats));
+    spans.clear();
+    for (const int64_t id : plan.prefetch_blocks) {
+      spans.push_back(reinterpret_cast<const char*>(k_cache + id * block_floats));
+      spans.push_back(reinterpret_cast<const char*>(v_cache + id * block_floats));
     }
   }
 
@@ -402,9 +558,12 @@ class FusedDecoder {
   std::vector<Layer> layers_;
 
   std::mutex mutex_;
-  AttentionPlan plan_;
+  std::vector<Shard> shards_;  // the last step's shards_[0 : last_shards_) (kept: their buffers)
+  int64_t last_shards_ = 0;
+  std::vector<int64_t> shard_cost_, shard_ends_;  // plan_shards' scratch
+  int64_t layer_weights_ = 0;                     // weights of every layer's linears (the LM head not)
+  int64_t row_shards_ = -1;
   int64_t kv_prefetch_cap_ = l3_prefetch_cap();
-  std::vector<const char*> side_spans_;  // the next layer's K/V blocks to prefetch (kv_spans)
   std::vector<float> x_, xn_, qkv_, attn_, gate_up_, act_;  // scratch, see run_layers
   bool profile_ = false;
   double linear_s_ = 0.0, attention_s_ = 0.0, other_s_ = 0.0;
@@ -457,6 +616,8 @@ void register_decoder(pybind11::module& m) {
       .def("set_profile", &FusedDecoder::set_profile, arg("on"))
       .def_property("kv_prefetch_cap", &FusedDecoder::kv_prefetch_cap, &FusedDecoder::set_kv_prefetch_cap)
       .def_property_readonly("last_kv_prefetch_blocks", &FusedDecoder::last_kv_prefetch_blocks)
+      .def_property("row_shards", &FusedDecoder::row_shards, &FusedDecoder::set_row_shards)
+      .def_property_readonly("last_shards", &FusedDecoder::last_shards)
       .def("profile", &FusedDecoder::profile)
       .def("kernels", &FusedDecoder::kernels);
   m.def("paged_attention", &paged_attention_cpu, nogil, "paged attention of one step (fused decoder's kernels)",
