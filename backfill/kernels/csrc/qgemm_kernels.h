@@ -243,8 +243,27 @@ struct SideCursor {
   }
   // Lines for the next block.
   BF_AI int64_t quota() const { return per_block < left ? per_block : left; }
+  // (the cursor in locals: in a loop of its own the members were stored back every line)
   BF_AI void burst() {
-    for (int64_t i = 0; i < per_block && left > 0; ++i) next_line();
+    int64_t n = quota();
+    if (n <= 0) return;
+    left -= n;
+    const char* q = p;
+    int64_t lines = span_left, at = span;
+    while (n > 0) {
+      const int64_t run = n < lines ? n : lines;
+      for (int64_t i = 0; i < run; ++i) __builtin_prefetch(q + 64 * i, 0, 3);
+      n -= run;
+      lines -= run;
+      q += 64 * run;
+      if (lines == 0 && (n > 0 || left > 0)) {
+        q = side->spans[++at];
+        lines = side->span_lines;
+      }
+    }
+    p = q;
+    span_left = lines;
+    span = at;
   }
   BF_AI void next_line() {
     if (left <= 0) return;
