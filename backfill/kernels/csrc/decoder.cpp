@@ -142,9 +142,11 @@ int64_t l3_prefetch_cap() {
 // memory bus idle for about 2 T P / 12 - W bytes' worth of reads (P weights, W their bytes).
 constexpr int64_t kFlopsPerByte = 12;
 
-// Row shards (FusedDecoder::plan_shards): at least this many tokens a shard, no sequence with
-// more query tokens than this (a prompt chunk's rows are better split by columns, over the
-// threads one operation at a time).
+// Row shards (FusedDecoder::plan_shards): at least this many tokens a shard (and 2 per shard
+// as many shards there are: each shard reads every weight, from the shared L3 at best, from
+// memory at worst, where a few rows' GEMM is memory-bound; on 2 threads of a Zen 5 EPYC the
+// break-even was ~4 rows a shard), no sequence with more query tokens than this (a prompt
+// chunk's rows are better split by columns, over the threads one operation at a time).
 constexpr int64_t kShardMinRows = 4;
 constexpr int64_t kShardMaxQueries = 16;
 
@@ -403,7 +405,9 @@ class FusedDecoder {
       ends[static_cast<size_t>(i)] = s;
       most = std::max(most, mine);
     }
-    const bool shard = n > 1 && (row_shards_ > 0 || (meta.num_tokens >= n * kShardMinRows &&
+    // every shard reads all the weights: more shards need more rows each to pay for the reads
+    const int64_t min_rows = std::max<int64_t>(kShardMinRows, 2 * n);
+    const bool shard = n > 1 && (row_shards_ > 0 || (meta.num_tokens >= n * min_rows &&
                                                      longest_query <= kShardMaxQueries && 4 * most * n <= 5 * total));
     const int64_t num_shards = shard ? n : 1;
     if (!shard) ends[0] = meta.num_seqs;
