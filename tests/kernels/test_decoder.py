@@ -244,6 +244,31 @@ def test_row_shards_change_nothing() -> None:
     assert auto_shards[3] > 1 and auto_shards[4] == auto_shards[5] == 1, auto_shards
 
 
+def test_a_bad_block_in_a_shard_raises_and_the_next_step_runs() -> None:
+    """An out-of-range block id in a sharded step is refused before any shard runs, naming the
+    step's sequence (not its index within a shard), and the decoder serves the next step."""
+    from backfill.model.attention import build_attention_metadata
+
+    model = tiny_model("gqa2_hd16", num_layers=2, intermediate_size=96, hidden_size=128)
+    decoder = CpuDecoder.from_dense(model)
+    decoder.row_shards = 1
+    caches = decoder.make_kv_caches(16, 8)
+    positions, meta = build_attention_metadata([0] * 12, [1] * 12, [[i] for i in range(12)], 8, torch.device("cpu"))
+    ids, rows = torch.randint(0, 101, (12,)), torch.arange(12)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        good = decoder.forward_logits(ids, positions, caches, meta, rows)
+        meta.block_tables[7, 0] = 16  # one past the last block: sequence 7, in the second shard
+        with pytest.raises(RuntimeError, match="sequence 7: block id 16 out of range"):
+            decoder.forward_logits(ids, positions, caches, meta, rows)
+        meta.block_tables[7, 0] = 7
+        assert torch.equal(decoder.forward_logits(ids, positions, caches, meta, rows), good)
+        assert decoder.last_shards == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_sequence(decoder: CpuDecoder, tokens: list[int], sizes: list[int], seed: int, companion: bool,
                  greedy: int = 0) -> tuple[list[int], dict[int, torch.Tensor]]:
     """Feeds request x's `tokens` as steps of `sizes` tokens, then `greedy` more tokens one decode

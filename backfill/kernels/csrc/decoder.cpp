@@ -310,6 +310,14 @@ class FusedDecoder {
                     "every KV cache must be a contiguous fp32 CPU tensor shaped like the first");
     for (int64_t i = 0; i < num_tokens; ++i)
       TORCH_CHECK(slots[i] >= 0 && slots[i] < num_blocks * block_size, "slot ", slots[i], " out of range");
+    for (int64_t s = 0; s < meta.num_seqs; ++s) {  // here, not only per shard: errors name the step's sequence
+      const int64_t blocks_needed = (meta.seq_lens[s] + block_size - 1) / block_size;
+      TORCH_CHECK(blocks_needed <= meta.max_blocks, "sequence ", s, ": block table too short for ", meta.seq_lens[s],
+                  " tokens");
+      const int64_t* table = meta.block_tables + s * meta.max_blocks;
+      for (int64_t b = 0; b < blocks_needed; ++b)
+        TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", s, ": block id ", table[b], " out of range");
+    }
     const AttentionShape shape{num_kv_heads_, head_dim_, num_heads_ / num_kv_heads_, block_size,
                                1.0f / std::sqrt(static_cast<float>(head_dim_)), window > 0 ? window : 0};
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
