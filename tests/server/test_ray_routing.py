@@ -261,6 +261,37 @@ def test_an_outbox_sends_what_is_ready_as_one_batch() -> None:
     assert asyncio.run(main()) == [[(1, b"t1"), (2, b"t2"), (3, b"t3")], [(1, b"u1")]]
 
 
+def test_a_mux_message_over_the_limit_is_refused_and_the_others_still_come() -> None:
+    """A peer that sends a message larger than the receiver's limit (here 4 KB; 256 MiB by
+    default) is cut off before the message is read whole: nothing of it is delivered, even with
+    the right token, and a replica's batches on their own connection keep arriving."""
+
+    async def main() -> list[tuple[int, int, Batch]]:
+        received: list[tuple[int, int, Batch]] = []
+        receiver = MuxReceiver("127.0.0.1", "ingress-token", lambda mux, load, batch: received.append((mux, load, batch)),
+                               max_message_bytes=4096)
+        receiver.start()
+        flood = MuxSender(receiver.address, "ingress-token", 9)
+        replica = MuxSender(receiver.address, "ingress-token", 1)
+        try:
+            flood.send([(5, b"x" * 65536)], load=0)
+            for step in range(20):
+                replica.send([(1, b"step %d" % step)], load=step)
+            for _ in range(3000):  # up to 30 s on a loaded machine; done as soon as all came
+                if len(received) >= 20:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # the flood's message, were it delivered, would have come by now
+        finally:
+            flood.close()
+            replica.close()
+            receiver.close()
+        return received
+
+    received = asyncio.run(main())
+    assert received == [(1, step, [(1, b"step %d" % step)]) for step in range(20)]
+
+
 def test_mux_batches_cross_zmq_in_order_with_the_load_and_only_for_their_ingress() -> None:
     """Two replicas' senders, one ingress receiver: every batch arrives whole, each sender's in
     order, with its mux id and load; a sender with another ingress's token is not heard."""

@@ -42,6 +42,11 @@ Batch = list[tuple[int, bytes | None]]
 # How long a closed sender keeps trying to deliver what it has queued (its mux was replaced or
 # cancelled: the requests still waiting for those chunks are failed by then, or about to be).
 SENDER_LINGER_MS = 1000
+# The largest message the ingress's socket takes: a replica's batch is one engine step's chunks
+# for at most its max_num_seqs streams (a few KB each, top logprobs included), far below this.
+# A larger one is not from a replica: ZMQ disconnects its peer while reading it, before it is
+# held whole in memory (anyone who can reach the port may connect; the token check comes after).
+MAX_MESSAGE_BYTES = 256 * 2**20
 
 
 class MuxMessage(msgspec.Struct, array_like=True):
@@ -203,13 +208,15 @@ class MuxReceiver:
     """The ingress's end: one PULL socket for the muxes to all replicas, read on the running
     loop; `on_message(mux, load, batch)` for each message that carries `token`."""
 
-    def __init__(self, host: str, token: str, on_message: Callable[[int, int, Batch], None]) -> None:
+    def __init__(self, host: str, token: str, on_message: Callable[[int, int, Batch], None],
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self._token = token
         self._on_message = on_message
         self._decoder = msgspec.msgpack.Decoder(MuxMessage)
         self._socket = zmq.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.RCVHWM, 0)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._loop: asyncio.AbstractEventLoop | None = None
