@@ -61,12 +61,13 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_begin = meta.query_start[s], num_q = meta.query_start[s + 1] - q_begin;
     const int64_t seq_len = meta.seq_lens[s];
-    TORCH_CHECK(num_q >= 1 && seq_len >= num_q, "sequence ", s, ": query length ", num_q, ", seq_len ", seq_len);
+    const int64_t seq = meta.first_seq + s;  // the step's index, for errors
+    TORCH_CHECK(num_q >= 1 && seq_len >= num_q, "sequence ", seq, ": query length ", num_q, ", seq_len ", seq_len);
     const int64_t blocks_needed = (seq_len + shape.block_size - 1) / shape.block_size;
-    TORCH_CHECK(blocks_needed <= meta.max_blocks, "sequence ", s, ": block table too short for ", seq_len, " tokens");
+    TORCH_CHECK(blocks_needed <= meta.max_blocks, "sequence ", seq, ": block table too short for ", seq_len, " tokens");
     const int64_t* table = meta.block_tables + s * meta.max_blocks;
     for (int64_t b = 0; b < blocks_needed; ++b)
-      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", s, ": block id ", table[b], " out of range");
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", seq, ": block id ", table[b], " out of range");
     const int64_t pos0 = seq_len - num_q, tile_queries = attention_tile_queries(shape.group);
     for (int64_t i = 0; i < num_q; i += tile_queries) {
       const int64_t n = std::min(tile_queries, num_q - i), pos = pos0 + i, end = pos + n;

@@ -23,6 +23,7 @@ struct StepMeta {
   const int64_t* seq_lens;      // [S], tokens in the cache after this step
   const int64_t* block_tables;  // [S, max_blocks]
   int64_t max_blocks;
+  int64_t first_seq = 0;        // the step's index of sequence 0 here (a row shard's), for errors
 };
 
 // The step's attention work list, built once per step (checked against the cache size) and

@@ -293,11 +293,9 @@ class FusedDecoder {
                 "query_start must be [S + 1] and block_tables [S, max_blocks]");
     TORCH_CHECK(meta.query_start[0] == 0 && meta.query_start[meta.num_seqs] == num_tokens,
                 "query_start must run from 0 to the number of tokens");
-    for (int64_t s = 0; s < meta.num_seqs; ++s)
-      TORCH_CHECK(meta.query_start[s + 1] > meta.query_start[s] &&
-                      meta.seq_lens[s] >= meta.query_start[s + 1] - meta.query_start[s],
-                  "sequence ", s, ": query length ", meta.query_start[s + 1] - meta.query_start[s], ", seq_len ",
-                  meta.seq_lens[s]);
+    for (int64_t s = 0; s < meta.num_seqs; ++s)  // what cutting into shards needs (the plans check the rest)
+      TORCH_CHECK(meta.query_start[s + 1] > meta.query_start[s], "sequence ", s, ": query length ",
+                  meta.query_start[s + 1] - meta.query_start[s]);
 
     const torch::Tensor& k0 = std::get<0>(kv_caches[0]);
     TORCH_CHECK(k0.dim() == 4 && k0.size(2) == num_kv_heads_ && k0.size(3) == head_dim_,
@@ -310,14 +308,6 @@ class FusedDecoder {
                     "every KV cache must be a contiguous fp32 CPU tensor shaped like the first");
     for (int64_t i = 0; i < num_tokens; ++i)
       TORCH_CHECK(slots[i] >= 0 && slots[i] < num_blocks * block_size, "slot ", slots[i], " out of range");
-    for (int64_t s = 0; s < meta.num_seqs; ++s) {  // here, not only per shard: errors name the step's sequence
-      const int64_t blocks_needed = (meta.seq_lens[s] + block_size - 1) / block_size;
-      TORCH_CHECK(blocks_needed <= meta.max_blocks, "sequence ", s, ": block table too short for ", meta.seq_lens[s],
-                  " tokens");
-      const int64_t* table = meta.block_tables + s * meta.max_blocks;
-      for (int64_t b = 0; b < blocks_needed; ++b)
-        TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "sequence ", s, ": block id ", table[b], " out of range");
-    }
     const AttentionShape shape{num_kv_heads_, head_dim_, num_heads_ / num_kv_heads_, block_size,
                                1.0f / std::sqrt(static_cast<float>(head_dim_)), window > 0 ? window : 0};
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
@@ -329,7 +319,6 @@ class FusedDecoder {
                           slots,
                           &kv_caches,
                           shape,
-                          num_blocks,
                           ensure(x_, num_tokens * hidden_),                    // [T, hidden] residual stream
                           ensure(xn_, num_tokens * hidden_),                   // [T, hidden] normed
                           ensure(qkv_, num_tokens * qkv_cols),                 // [T, (H + 2 Hkv) * D]
@@ -337,13 +326,16 @@ class FusedDecoder {
                           ensure(gate_up_, num_tokens * 2 * intermediate_),    // [T, 2 * intermediate]
                           ensure(act_, num_tokens * intermediate_)};           // [T, intermediate]
     const int64_t num_shards = plan_shards(meta);
+    // Every shard's attention plan (it checks its sequences' lengths and block tables) before
+    // any shard runs: a bad step is refused whole, no cache written.
+    for (int64_t i = 0; i < num_shards; ++i) plan_attention(shards_[static_cast<size_t>(i)], meta, shape, num_blocks);
     if (num_shards == 1) {
-      run_shard(shards_[0], meta, buf, true);
+      run_shard(shards_[0], buf, true);
     } else {
       // One thread per shard, each through every layer on its own rows: no fork or join per
       // operation (the kernels' own at::parallel_for calls run inline on the shard's thread).
       at::parallel_for(0, num_shards, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) run_shard(shards_[static_cast<size_t>(i)], meta, buf, i == 0);
+        for (int64_t i = begin; i < end; ++i) run_shard(shards_[static_cast<size_t>(i)], buf, i == 0);
       });
     }
     if (profile_) {  // the first shard's time (a shard's operations end together with the others')
@@ -362,7 +354,6 @@ class FusedDecoder {
     const int64_t* slots;
     const std::vector<KVCache>* kv_caches;
     AttentionShape shape;
-    int64_t num_blocks;
     float *x, *xn, *qkv, *attn, *gate_up, *act;
   };
 
@@ -434,23 +425,33 @@ class FusedDecoder {
     return num_shards;
   }
 
-  // Every layer over the shard's tokens. `timed`: this shard keeps the profile's laps.
-  void run_shard(Shard& sh, const StepMeta& step, const StepBuffers& b, bool timed) {
-    const int64_t t0 = sh.token_begin, num_tokens = sh.token_end - sh.token_begin;
-    const StepMeta meta{num_tokens, sh.seq_end - sh.seq_begin, sh.query_start.data(), step.seq_lens + sh.seq_begin,
-                        step.block_tables + sh.seq_begin * step.max_blocks, step.max_blocks};
-    const AttentionShape& shape = b.shape;
-    const std::vector<KVCache>& kv_caches = *b.kv_caches;
-    const int64_t block_size = shape.block_size;
-    // Only the K/V the MLP's idle memory bus can bring in (none where the weights' own reads fill
-    // it: a few rows, whose GEMM is memory-bound; there the prefetch would slow the weights more
-    // than it speeds attention).
+  // The shard's attention plan over its sequences, with the K/V prefetch budget of its rows:
+  // only the K/V the MLP's idle memory bus can bring in (none where the weights' own reads fill
+  // it: a few rows, whose GEMM is memory-bound; there the prefetch would slow the weights more
+  // than it speeds attention).
+  void plan_attention(Shard& sh, const StepMeta& step, const AttentionShape& shape, int64_t num_blocks) {
+    const int64_t num_tokens = sh.token_end - sh.token_begin;
+    const StepMeta meta{num_tokens,
+                        sh.seq_end - sh.seq_begin,
+                        sh.query_start.data(),
+                        step.seq_lens + sh.seq_begin,
+                        step.block_tables + sh.seq_begin * step.max_blocks,
+                        step.max_blocks,
+                        sh.seq_begin};
     const Layer& l0 = layers_.front();
     const int64_t mlp_weights = l0.gate_up.rows * l0.gate_up.cols + l0.down.rows * l0.down.cols;
     const int64_t idle_bytes = 2 * num_tokens * mlp_weights / kFlopsPerByte - (l0.gate_up.bytes() + l0.down.bytes());
-    AttentionPlan& plan = sh.plan;
-    plan.prefetch_budget = std::max<int64_t>(0, std::min(idle_bytes, kv_prefetch_cap_));
-    plan.build(meta, shape, b.num_blocks);
+    sh.plan.prefetch_budget = std::max<int64_t>(0, std::min(idle_bytes, kv_prefetch_cap_));
+    sh.plan.build(meta, shape, num_blocks);
+  }
+
+  // Every layer over the shard's tokens (its plan built). `timed`: this shard keeps the profile's laps.
+  void run_shard(Shard& sh, const StepBuffers& b, bool timed) {
+    const int64_t t0 = sh.token_begin, num_tokens = sh.token_end - sh.token_begin;
+    const AttentionShape& shape = b.shape;
+    const std::vector<KVCache>& kv_caches = *b.kv_caches;
+    const int64_t block_size = shape.block_size;
+    AttentionPlan& plan = sh.plan;  // built by plan_attention (run keeps its scratch)
 
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const int64_t qkv_cols = q_size + 2 * kv_size;
