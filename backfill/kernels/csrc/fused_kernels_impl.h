@@ -622,8 +622,10 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
     const float* src = q + (t.token + i) * ldq + t.kv_head * group * d_len;  // [G, D]
     for (int64_t g = 0; g < group; ++g) {
       const int64_t r = i * group + g;
-      for (int64_t d = 0; d < d_len; ++d)
-        q_buf[keys_across ? r * d_len + d : d * rows_pad + r] = src[g * d_len + d] * s.scale;
+      if (keys_across)  // a row of its own: whole registers (d_len % W == 0)
+        for (int64_t d = 0; d < d_len; d += W) store(q_buf + r * d_len + d, load(src + g * d_len + d) * splat(s.scale));
+      else
+        for (int64_t d = 0; d < d_len; ++d) q_buf[d * rows_pad + r] = src[g * d_len + d] * s.scale;
     }
   }
   for (int64_t r = 0; r < rows_pad; ++r) {
