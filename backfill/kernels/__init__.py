@@ -11,12 +11,15 @@ None and the engine runs its plain-PyTorch path.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import sys
 import threading
 from pathlib import Path
 from types import ModuleType
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -80,3 +83,14 @@ def extension() -> ModuleType | None:
 
 def available() -> bool:
     return extension() is not None
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype) on the CPU, on transparent huge pages where the
+    extension and the OS have them (see csrc/hugepages.h; `BACKFILL_HUGEPAGES=0` turns them
+    off): for the memory every step sweeps, the KV caches."""
+    ext = extension()
+    if ext is None:
+        return torch.zeros(shape, dtype=dtype)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return ext.zeros_hugepages(nbytes).view(dtype).view(shape)

@@ -81,11 +81,15 @@ class CpuDecoder:
         missing = [name for name in _expected_names(config) if name not in state]
         if missing:
             raise KeyError(f"CpuDecoder: missing weights {missing[:6]}")
-        embedding = _segments(state["embed_tokens.weight"], ext)
+        names = ["embed_tokens.weight"] + ([] if config.tie_word_embeddings else ["lm_head.weight"])
+        for i in range(config.num_layers):
+            names += [f"layers.{i}.{name}" for name in _LAYER_LINEARS]
+        packed = dict(zip(names, _pack([state[name] for name in names], ext)))
+        embedding = packed["embed_tokens.weight"]
         if len(embedding) != 1:
             raise ValueError("embed_tokens.weight must be a single matrix")
         self._step.set_embedding(embedding[0])
-        head = embedding if config.tie_word_embeddings else _segments(state["lm_head.weight"], ext)
+        head = embedding if config.tie_word_embeddings else packed["lm_head.weight"]
         self._step.set_lm_head(head)
         self._step.set_final_norm(_norm(state["norm.weight"]))
         # Bytes of weights every step reads in full: each layer's linears and the LM head (the
@@ -94,8 +98,7 @@ class CpuDecoder:
         for i in range(config.num_layers):
             pre = f"layers.{i}."
             bias = state.get(pre + "self_attn.qkv_proj.bias")
-            linears = [_segments(state[pre + name], ext) for name in (
-                "self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight")]
+            linears = [packed[pre + name] for name in _LAYER_LINEARS]
             self.weight_bytes_per_step += sum(_nbytes(segments) for segments in linears)
             self._step.add_layer(
                 _norm(state[pre + "input_layernorm.weight"]),
@@ -165,7 +168,7 @@ class CpuDecoder:
     def make_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[Tensor, Tensor]]:
         """Zeroed per-layer (k_cache, v_cache) pairs, fp32 [num_blocks, block_size, Hkv, D] each."""
         shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
-        return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(self.config.num_layers)]
+        return [(kernels.zeros(shape), kernels.zeros(shape)) for _ in range(self.config.num_layers)]
 
     @property
     def kv_prefetch_cap(self) -> int:
@@ -288,14 +291,38 @@ def _nbytes(segments: list[tuple[Tensor, int, int, int]]) -> int:
     return sum(int(packed.numel()) for packed, _, _, _ in segments)
 
 
-def _segments(weights: LinearWeights, ext: object) -> list[tuple[Tensor, int, int, int]]:
-    """A linear's weights -> the C++ side's (packed bytes, qtype, rows, cols) row segments."""
-    if isinstance(weights, Tensor):
-        weights = dense_weight(weights)
-    out = []
-    for segment in weights.segments:
-        if segment.qtype not in KERNEL_TYPES:
-            raise ValueError(f"{type_name(segment.qtype)} is not read by the packed kernels")
-        raw = segment.raw.contiguous()  # [rows, row_bytes] uint8
-        out.append((ext.repack(raw, segment.qtype, weights.cols), segment.qtype, segment.rows, weights.cols))  # type: ignore[attr-defined]
+_LAYER_LINEARS = ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight",
+                  "mlp.down_proj.weight")
+
+
+def _pack(linears: list[LinearWeights], ext: object) -> list[list[tuple[Tensor, int, int, int]]]:
+    """Linears' weights -> for each, the C++ side's (packed bytes, qtype, rows, cols) row
+    segments, all packed into one buffer on transparent huge pages (where the OS has them): a
+    step sweeps every weight, and on 4 KiB pages ~25k of them would keep missing the TLB."""
+    raws: list[list[tuple[Tensor, int, int, int]]] = []  # per linear: (raw rows, qtype, rows, cols)
+    for weights in linears:
+        if isinstance(weights, Tensor):
+            weights = dense_weight(weights)
+        segments = []
+        for segment in weights.segments:
+            if segment.qtype not in KERNEL_TYPES:
+                raise ValueError(f"{type_name(segment.qtype)} is not read by the packed kernels")
+            segments.append((segment.raw.contiguous(), segment.qtype, segment.rows, weights.cols))  # raw [rows, row_bytes]
+        raws.append(segments)
+    sizes = [[int(ext.packed_bytes(qtype, rows, cols)) for _, qtype, rows, cols in segments]  # type: ignore[attr-defined]
+             for segments in raws]
+    arena = ext.zeros_hugepages(sum(_cache_lines(n) for ns in sizes for n in ns))  # type: ignore[attr-defined]
+    out, offset = [], 0
+    for segments, ns in zip(raws, sizes):
+        packed = []
+        for (raw, qtype, rows, cols), n in zip(segments, ns):
+            view = arena[offset:offset + n]  # each segment on a cache line of its own
+            packed.append((ext.repack(raw, qtype, cols, out=view), qtype, rows, cols))  # type: ignore[attr-defined]
+            offset += _cache_lines(n)
+        out.append(packed)
     return out
+
+
+def _cache_lines(nbytes: int) -> int:
+    """`nbytes` rounded up to whole 64-byte lines."""
+    return (nbytes + 63) // 64 * 64

@@ -155,13 +155,14 @@ class ModelRunner:
             self.block_size,
             num_blocks * self.block_size * self.kv_bytes_per_token / 2**20,
         )
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),  # K [blocks, block_size, kv_heads, head_dim]
-                torch.zeros(shape, dtype=self.dtype, device=self.device),  # V [blocks, block_size, kv_heads, head_dim]
-            )
-            for _ in range(cfg.num_layers)
-        ]
+        if self.device.type == "cpu":  # on huge pages where it can: every step sweeps them
+            def zeros() -> torch.Tensor:
+                return kernels.zeros(shape, self.dtype)
+        else:
+            def zeros() -> torch.Tensor:
+                return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # K, V [blocks, block_size, kv_heads, head_dim] per layer
+        return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput,

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "attention_cpu.h"
+#include "hugepages.h"
 #include "qgemm.h"
 
 namespace backfill {
@@ -32,12 +33,30 @@ PackedMatrix as_packed(const torch::Tensor& packed, int64_t qtype, int64_t rows,
   return PackedMatrix{packed.data_ptr<uint8_t>(), type, rows, cols};
 }
 
-// raw [N, row_bytes] uint8 in GGUF layout -> packed uint8 [packed_bytes]
-torch::Tensor repack_weight(const torch::Tensor& raw, int64_t qtype, int64_t cols) {
+// raw [N, row_bytes] uint8 in GGUF layout -> packed uint8 [packed_bytes], into `out` (a
+// contiguous uint8 CPU tensor of that size, e.g. a slice of one buffer for all weights) if given.
+torch::Tensor repack_weight(const torch::Tensor& raw, int64_t qtype, int64_t cols,
+                            const c10::optional<torch::Tensor>& out) {
   const QMatrix q = as_qmatrix(raw, qtype, cols);
-  torch::Tensor out = torch::empty({packed_bytes(q.type, q.rows, cols)}, torch::kUInt8);
-  repack(q, out.data_ptr<uint8_t>());
-  return out;
+  const int64_t nbytes = packed_bytes(q.type, q.rows, cols);
+  torch::Tensor packed;
+  if (out.has_value() && out->defined()) {
+    packed = *out;
+    TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                    packed.numel() == nbytes,
+                "out must be a contiguous uint8 CPU tensor of ", nbytes, " bytes");
+  } else {
+    packed = torch::empty({nbytes}, torch::kUInt8);
+  }
+  repack(q, packed.data_ptr<uint8_t>());
+  return packed;
+}
+
+int64_t packed_size(int64_t qtype, int64_t rows, int64_t cols) {
+  const QType type = static_cast<QType>(qtype);
+  TORCH_CHECK(block_elems(type) > 0 && cols % block_elems(type) == 0 && rows >= 0, "bad type ", qtype, ", rows ",
+              rows, " or cols ", cols);
+  return packed_bytes(type, rows, cols);
 }
 
 // x [M, K] fp32 (rows may be strided) -> y [M, N] fp32; `out` (a [M, N] view with unit inner
@@ -194,8 +213,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "False if refused",
         pybind11::arg("name"));
   namespace py = pybind11;
-  m.def("repack", &backfill::repack_weight, "raw GGUF rows -> the kernels' packed layout", py::arg("raw"),
-        py::arg("qtype"), py::arg("cols"));
+  m.def("repack", &backfill::repack_weight, "raw GGUF rows -> the kernels' packed layout (into out if given)",
+        py::arg("raw"), py::arg("qtype"), py::arg("cols"), py::arg("out") = py::none());
+  m.def("packed_bytes", &backfill::packed_size, "bytes of the packed form of a [rows, cols] matrix of qtype",
+        py::arg("qtype"), py::arg("rows"), py::arg("cols"));
+  m.def("zeros_hugepages", &backfill::zeros_hugepages,
+        "a zeroed uint8 CPU tensor of nbytes on transparent huge pages where the OS has them",
+        py::arg("nbytes"), py::call_guard<py::gil_scoped_release>());
+  m.def("hugepages_enabled", &backfill::hugepages_enabled,
+        "whether zeros_hugepages maps 2 MiB-aligned, MADV_HUGEPAGE memory (Linux, BACKFILL_HUGEPAGES != 0)");
   m.def("qlinear", &backfill::qlinear, "y = x @ W^T (+ bias) (+ out if accumulate), W packed", py::arg("x"),
         py::arg("packed"), py::arg("qtype"), py::arg("rows"), py::arg("cols"), py::arg("bias") = py::none(),
         py::arg("out") = py::none(), py::arg("accumulate") = false);
