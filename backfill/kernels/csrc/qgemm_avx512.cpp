@@ -53,6 +53,39 @@ AI VF vf_nib_lo(VI a) {
 }
 AI VF vf_nib_hi(VI a) { return vi_to_f(vi_srl<4>(a)); }
 
+// out[k][16] = x[0 .. 15][k] for k < cols rounded down to 16 (x rows ldx floats apart): 16 x 16
+// blocks transposed in registers (unpacks within 128-bit lanes, then a 4 x 4 transpose of the
+// lanes), where a scalar copy stores every float on a line of its own. Returns the columns done.
+AI int64_t pack_x16(const float* x, int64_t ldx, int64_t cols, float* out) {
+  int64_t k0 = 0;
+  for (; k0 + 16 <= cols; k0 += 16) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(x + i * ldx + k0);
+    for (int p = 0; p < 8; ++p) {
+      t[2 * p] = _mm512_unpacklo_ps(r[2 * p], r[2 * p + 1]);
+      t[2 * p + 1] = _mm512_unpackhi_ps(r[2 * p], r[2 * p + 1]);
+    }
+    for (int q = 0; q < 16; q += 4) {  // r[q + c], 128-bit lane L: column 4 L + c of rows q .. q + 3
+      const __m512d a = _mm512_castps_pd(t[q]), b = _mm512_castps_pd(t[q + 1]);
+      const __m512d c = _mm512_castps_pd(t[q + 2]), d = _mm512_castps_pd(t[q + 3]);
+      r[q] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+      r[q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+      r[q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+      r[q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m512 v0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
+      const __m512 v2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
+      const __m512 v3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
+      _mm512_storeu_ps(out + (k0 + c) * 16, _mm512_shuffle_f32x4(v0, v2, 0x88));
+      _mm512_storeu_ps(out + (k0 + 4 + c) * 16, _mm512_shuffle_f32x4(v0, v2, 0xDD));
+      _mm512_storeu_ps(out + (k0 + 8 + c) * 16, _mm512_shuffle_f32x4(v1, v3, 0x88));
+      _mm512_storeu_ps(out + (k0 + 12 + c) * 16, _mm512_shuffle_f32x4(v1, v3, 0xDD));
+    }
+  }
+  return k0;
+}
+
 #undef AI
 
 // Blocking (32 zmm): fused MR x NT accumulators + NT weights + scales stay in registers (one row

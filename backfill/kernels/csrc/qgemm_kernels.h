@@ -4,7 +4,8 @@
 //   VF (16 floats), VI (16 int32): vf_zero, vf_set1, vf_load, vf_store, vf_load_n, vf_store_n,
 //   vf_bcast, vf_fma (a * b + c, one rounding), vf_mul, vf_add, vf_load_f16 (16 halves),
 //   vi_load_u8 / vi_load_s8 (16 bytes widened), vi_and, vi_srl<s>, vi_sll<s>, vi_or_and
-//   (a | (b & mask)), vi_to_f, vf_nib_lo (float(v & 15)), vf_nib_hi (float(v >> 4), v < 256);
+//   (a | (b & mask)), vi_to_f, vf_nib_lo (float(v & 15)), vf_nib_hi (float(v >> 4), v < 256),
+//   pack_x16 (x's 16 rows column by column, as many columns as it does: see pack_x);
 //   and the blocking constants: kFusedMaxM, fused_nt(mr), kFusedHalves, kPanelNT, kPanelMaxMR, kPanelKc.
 // Everything here has internal linkage: each ISA unit gets its own copy (see isa.h).
 //
@@ -179,22 +180,32 @@ struct DqQ6_K {
 
 template <int MR, int NT>
 BF_AI void store_acc(const VF (&acc)[MR][NT], const TileJob& job, int64_t row0, int64_t tile0) {
+  // the job's fields in locals: stores through y may alias job as far as the compiler knows,
+  // which would reload (and re-test) them row by row
+  const float* const bias_p = job.bias;
+  float* const y = job.y;
+  const int64_t ldy = job.ldy, rows = job.rows;
+  const bool accumulate = job.accumulate;
   BF_UNROLL for (int t = 0; t < NT; ++t) {
     const int64_t n0 = (tile0 + t) * kTileRows;
-    const int64_t cnt = job.rows - n0 < kTileRows ? job.rows - n0 : kTileRows;
+    const int64_t cnt = rows - n0 < kTileRows ? rows - n0 : kTileRows;
     if (cnt <= 0) continue;
     const int c = static_cast<int>(cnt);
     VF bias = vf_zero();
-    if (job.bias != nullptr) bias = c == kTileRows ? vf_load(job.bias + n0) : vf_load_n(job.bias + n0, c);
-    BF_UNROLL for (int i = 0; i < MR; ++i) {
-      VF v = acc[i][t];
-      if (job.bias != nullptr) v = vf_add(v, bias);
-      float* yp = job.y + (row0 + i) * job.ldy + n0;
-      if (c == kTileRows) {
-        if (job.accumulate) v = vf_add(vf_load(yp), v);
+    if (bias_p != nullptr) bias = c == kTileRows ? vf_load(bias_p + n0) : vf_load_n(bias_p + n0, c);
+    float* yp = y + row0 * ldy + n0;
+    if (c == kTileRows) {
+      BF_UNROLL for (int i = 0; i < MR; ++i, yp += ldy) {
+        VF v = acc[i][t];
+        if (bias_p != nullptr) v = vf_add(v, bias);
+        if (accumulate) v = vf_add(vf_load(yp), v);
         vf_store(yp, v);
-      } else {
-        if (job.accumulate) v = vf_add(vf_load_n(yp, c), v);
+      }
+    } else {
+      BF_UNROLL for (int i = 0; i < MR; ++i, yp += ldy) {
+        VF v = acc[i][t];
+        if (bias_p != nullptr) v = vf_add(v, bias);
+        if (accumulate) v = vf_add(vf_load_n(yp, c), v);
         vf_store_n(yp, v, c);
       }
     }
@@ -203,10 +214,12 @@ BF_AI void store_acc(const VF (&acc)[MR][NT], const TileJob& job, int64_t row0, 
 
 // Rows [row0, row0 + mr) of x packed column by column, out [K][mr]: the kernels' broadcasts then
 // walk one pointer (the row pointers would not fit the general registers beside the rest).
+// 16 rows: the ISA unit's pack_x16 first (its register transposes), the columns it left here.
 inline void pack_x(const TileJob& job, int64_t row0, int mr, float* out) {
+  const int64_t k0 = mr == 16 ? pack_x16(job.x + row0 * job.ldx, job.ldx, job.cols, out) : 0;
   for (int i = 0; i < mr; ++i) {
     const float* xi = job.x + (row0 + i) * job.ldx;
-    for (int64_t k = 0; k < job.cols; ++k) out[k * mr + i] = xi[k];
+    for (int64_t k = k0; k < job.cols; ++k) out[k * mr + i] = xi[k];
   }
 }
 
