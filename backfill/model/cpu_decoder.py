@@ -298,29 +298,35 @@ _LAYER_LINEARS = ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.g
 def _pack(linears: list[LinearWeights], ext: object) -> list[list[tuple[Tensor, int, int, int]]]:
     """Linears' weights -> for each, the C++ side's (packed bytes, qtype, rows, cols) row
     segments, all packed into one buffer on transparent huge pages (where the OS has them): a
-    step sweeps every weight, and on 4 KiB pages ~25k of them would keep missing the TLB."""
-    raws: list[list[tuple[Tensor, int, int, int]]] = []  # per linear: (raw rows, qtype, rows, cols)
-    for weights in linears:
-        if isinstance(weights, Tensor):
-            weights = dense_weight(weights)
-        segments = []
-        for segment in weights.segments:
-            if segment.qtype not in KERNEL_TYPES:
-                raise ValueError(f"{type_name(segment.qtype)} is not read by the packed kernels")
-            segments.append((segment.raw.contiguous(), segment.qtype, segment.rows, weights.cols))  # raw [rows, row_bytes]
-        raws.append(segments)
-    sizes = [[int(ext.packed_bytes(qtype, rows, cols)) for _, qtype, rows, cols in segments]  # type: ignore[attr-defined]
-             for segments in raws]
+    step sweeps every weight, and on 4 KiB pages ~25k of them would keep missing the TLB. One
+    linear is converted at a time (a dense one's fp32 copy lives only while it is packed)."""
+    specs = [_segment_specs(weights) for weights in linears]  # per linear: [(qtype, rows, cols)]
+    sizes = [[int(ext.packed_bytes(*spec)) for spec in segments] for segments in specs]  # type: ignore[attr-defined]
     arena = ext.zeros_hugepages(sum(_cache_lines(n) for ns in sizes for n in ns))  # type: ignore[attr-defined]
     out, offset = [], 0
-    for segments, ns in zip(raws, sizes):
+    for weights, ns in zip(linears, sizes):
+        if isinstance(weights, Tensor):
+            weights = dense_weight(weights)
         packed = []
-        for (raw, qtype, rows, cols), n in zip(segments, ns):
+        for segment, n in zip(weights.segments, ns):
             view = arena[offset:offset + n]  # each segment on a cache line of its own
-            packed.append((ext.repack(raw, qtype, cols, out=view), qtype, rows, cols))  # type: ignore[attr-defined]
+            raw = segment.raw.contiguous()  # [rows, row_bytes] uint8
+            packed.append((ext.repack(raw, segment.qtype, weights.cols, out=view),  # type: ignore[attr-defined]
+                           segment.qtype, segment.rows, weights.cols))
             offset += _cache_lines(n)
         out.append(packed)
     return out
+
+
+def _segment_specs(weights: LinearWeights) -> list[tuple[int, int, int]]:
+    """(qtype, rows, cols) of each row segment `_pack` will pack, checked, nothing converted."""
+    if isinstance(weights, Tensor):
+        rows, cols = weights.shape
+        return [(F32, int(rows), int(cols))]
+    for segment in weights.segments:
+        if segment.qtype not in KERNEL_TYPES:
+            raise ValueError(f"{type_name(segment.qtype)} is not read by the packed kernels")
+    return [(segment.qtype, segment.rows, weights.cols) for segment in weights.segments]
 
 
 def _cache_lines(nbytes: int) -> int:

@@ -7,6 +7,7 @@
 // 2 MiB pages (BENCHMARKS.md, session 37).
 #include "hugepages.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -40,8 +41,8 @@ torch::Tensor zeros_hugepages(int64_t nbytes) {
     const size_t length = static_cast<size_t>(round_up(nbytes, kHugePage) + kHugePage);
     void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (base != MAP_FAILED) {
-      const uintptr_t start = static_cast<uintptr_t>(round_up(static_cast<int64_t>(reinterpret_cast<uintptr_t>(base)), kHugePage));
-      char* data = reinterpret_cast<char*>(start);
+      const int64_t address = static_cast<int64_t>(reinterpret_cast<uintptr_t>(base));
+      char* data = reinterpret_cast<char*>(static_cast<uintptr_t>(round_up(address, kHugePage)));
       madvise(data, static_cast<size_t>(round_up(nbytes, kHugePage)), MADV_HUGEPAGE);  // advice: failure is harmless
       // fault every page in now (the kernel zeroes them), as torch::zeros would touch them
       const int64_t page = std::max<int64_t>(4096, sysconf(_SC_PAGESIZE));
