@@ -92,5 +92,5 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.T
     ext = extension()
     if ext is None:
         return torch.zeros(shape, dtype=dtype)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return ext.zeros_hugepages(nbytes).view(dtype).view(shape)

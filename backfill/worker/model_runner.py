@@ -155,13 +155,11 @@ class ModelRunner:
             self.block_size,
             num_blocks * self.block_size * self.kv_bytes_per_token / 2**20,
         )
-        if self.device.type == "cpu":  # on huge pages where it can: every step sweeps them
-            def zeros() -> torch.Tensor:
+        def zeros() -> torch.Tensor:  # K or V [blocks, block_size, kv_heads, head_dim]
+            if self.device.type == "cpu":  # on huge pages where it can: every step sweeps them
                 return kernels.zeros(shape, self.dtype)
-        else:
-            def zeros() -> torch.Tensor:
-                return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        # K, V [blocks, block_size, kv_heads, head_dim] per layer
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
         return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
     @torch.inference_mode()

@@ -24,9 +24,15 @@ QMatrix as_qmatrix(const torch::Tensor& w, int64_t qtype, int64_t cols) {
   return QMatrix{w.data_ptr<uint8_t>(), type, w.size(0), cols, row_bytes};
 }
 
-PackedMatrix as_packed(const torch::Tensor& packed, int64_t qtype, int64_t rows, int64_t cols) {
+// A type the packed kernels read, whose blocks divide `cols`.
+QType checked_type(int64_t qtype, int64_t cols) {
   const QType type = static_cast<QType>(qtype);
   TORCH_CHECK(block_elems(type) > 0 && cols % block_elems(type) == 0, "bad type ", qtype, " or cols ", cols);
+  return type;
+}
+
+PackedMatrix as_packed(const torch::Tensor& packed, int64_t qtype, int64_t rows, int64_t cols) {
+  const QType type = checked_type(qtype, cols);
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
                   packed.numel() == packed_bytes(type, rows, cols),
               "packed weight must be the contiguous uint8 tensor repack() returned");
@@ -53,9 +59,8 @@ torch::Tensor repack_weight(const torch::Tensor& raw, int64_t qtype, int64_t col
 }
 
 int64_t packed_size(int64_t qtype, int64_t rows, int64_t cols) {
-  const QType type = static_cast<QType>(qtype);
-  TORCH_CHECK(block_elems(type) > 0 && cols % block_elems(type) == 0 && rows >= 0, "bad type ", qtype, ", rows ",
-              rows, " or cols ", cols);
+  const QType type = checked_type(qtype, cols);
+  TORCH_CHECK(rows >= 0, "rows must not be negative, got ", rows);
   return packed_bytes(type, rows, cols);
 }
 

@@ -194,17 +194,13 @@ BF_AI void store_acc(const VF (&acc)[MR][NT], const TileJob& job, int64_t row0, 
     VF bias = vf_zero();
     if (bias_p != nullptr) bias = c == kTileRows ? vf_load(bias_p + n0) : vf_load_n(bias_p + n0, c);
     float* yp = y + row0 * ldy + n0;
-    if (c == kTileRows) {
-      BF_UNROLL for (int i = 0; i < MR; ++i, yp += ldy) {
-        VF v = acc[i][t];
-        if (bias_p != nullptr) v = vf_add(v, bias);
+    BF_UNROLL for (int i = 0; i < MR; ++i, yp += ldy) {
+      VF v = acc[i][t];
+      if (bias_p != nullptr) v = vf_add(v, bias);
+      if (c == kTileRows) {
         if (accumulate) v = vf_add(vf_load(yp), v);
         vf_store(yp, v);
-      }
-    } else {
-      BF_UNROLL for (int i = 0; i < MR; ++i, yp += ldy) {
-        VF v = acc[i][t];
-        if (bias_p != nullptr) v = vf_add(v, bias);
+      } else {
         if (accumulate) v = vf_add(vf_load_n(yp, c), v);
         vf_store_n(yp, v, c);
       }
