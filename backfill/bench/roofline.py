@@ -47,7 +47,9 @@ def resolve_dtype(dtype: str, device: str = "cpu", quantization: str = "auto") -
 @dataclass
 class MachineRoofline:
     """Measured limits of one device: read / copy bandwidth (GB/s), matmul GFLOP/s per dtype and
-    the fp32 FMA peak (GFLOP/s; None where the CPU kernels cannot time it, e.g. on CUDA)."""
+    the fp32 FMA peak (GFLOP/s; None where the CPU kernels cannot time it, e.g. on CUDA), with
+    the instruction set the CPU kernels ran it on (and run the model's steps on: "avx512",
+    "avx2" or "scalar"; None with the peak)."""
 
     device: str
     num_threads: int
@@ -55,6 +57,7 @@ class MachineRoofline:
     copy_gbps: float
     matmul_gflops: dict[str, float] = field(default_factory=dict)
     fma_peak_gflops: float | None = None
+    kernels_isa: str | None = None
 
     def peak_gflops(self, dtype: str) -> float:
         """The compute ceiling for `dtype`: the best of its matmul and, for fp32, the FMA peak
@@ -121,19 +124,21 @@ def measure_machine(
         read_gbps=num_bytes / read_s / 1e9,
         copy_gbps=2 * num_bytes / copy_s / 1e9,
         matmul_gflops=gflops,
-        fma_peak_gflops=_fma_peak(device),
+        **_fma_peak(device),
     )
 
 
-def _fma_peak(device: str) -> float | None:
-    """fp32 FMA peak on every intra-op thread, from the CPU kernels (None on other devices or
-    where they are not built)."""
+def _fma_peak(device: str) -> dict[str, Any]:
+    """fp32 FMA peak on every intra-op thread, from the CPU kernels, and the instruction set they
+    run (nothing on other devices or where they are not built)."""
     if device != "cpu":
-        return None
+        return {}
     from backfill import kernels
 
     ext = kernels.extension()
-    return None if ext is None else float(ext.fma_peak_gflops())  # type: ignore[attr-defined]
+    if ext is None:
+        return {}
+    return {"fma_peak_gflops": float(ext.fma_peak_gflops()), "kernels_isa": str(ext.isa())}  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -279,6 +284,8 @@ def decode_roofline(
 def format_machine(machine: MachineRoofline) -> str:
     flops = ", ".join(f"{k} {v:.0f}" for k, v in machine.matmul_gflops.items())
     peak = "" if machine.fma_peak_gflops is None else f", fp32 FMA peak {machine.fma_peak_gflops:.0f} GFLOP/s"
+    if machine.fma_peak_gflops is not None and machine.kernels_isa is not None:
+        peak += f" ({machine.kernels_isa} kernels)"
     return (
         f"device {machine.device} ({machine.num_threads} threads): read {machine.read_gbps:.1f} GB/s, "
         f"copy {machine.copy_gbps:.1f} GB/s, matmul GFLOP/s: {flops}{peak}"

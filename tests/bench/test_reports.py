@@ -152,6 +152,7 @@ def test_compute_ceiling_is_the_fma_peak_where_it_is_higher() -> None:
     del old["fma_peak_gflops"]  # a result file from before the peak was measured
     assert MachineRoofline.from_json(old) == MACHINE
     assert "fp32 FMA peak 480 GFLOP/s" in format_machine(peaked) and "FMA" not in format_machine(MACHINE)
+    assert "(avx2 kernels)" in format_machine(replace(peaked, kernels_isa="avx2"))
 
 
 def test_measured_machine_has_an_fma_peak_on_every_isa() -> None:
@@ -164,6 +165,7 @@ def test_measured_machine_has_an_fma_peak_on_every_isa() -> None:
         pytest.skip("CPU kernels extension unavailable")
     machine = measure_machine("cpu", buffer_mb=8, matmul_n=64, repeats=2)
     assert machine.fma_peak_gflops is not None and machine.fma_peak_gflops > 0
+    assert machine.kernels_isa == ext.isa()  # the kernels the peak (and the steps) ran on
     before = ext.isa()
     try:
         for isa in ("avx512", "avx2", "scalar"):
