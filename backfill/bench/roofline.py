@@ -124,11 +124,11 @@ def measure_machine(
         read_gbps=num_bytes / read_s / 1e9,
         copy_gbps=2 * num_bytes / copy_s / 1e9,
         matmul_gflops=gflops,
-        **_fma_peak(device),
+        **_fma_peak_and_isa(device),
     )
 
 
-def _fma_peak(device: str) -> dict[str, Any]:
+def _fma_peak_and_isa(device: str) -> dict[str, Any]:
     """fp32 FMA peak on every intra-op thread, from the CPU kernels, and the instruction set they
     run (nothing on other devices or where they are not built)."""
     if device != "cpu":

@@ -304,11 +304,11 @@ def _pack(linears: list[LinearWeights], ext: object) -> list[list[tuple[Tensor, 
     sizes = [[int(ext.packed_bytes(*spec)) for spec in segments] for segments in specs]  # type: ignore[attr-defined]
     arena = ext.zeros_hugepages(sum(_cache_lines(n) for ns in sizes for n in ns))  # type: ignore[attr-defined]
     out, offset = [], 0
-    for weights, ns in zip(linears, sizes):
+    for weights, ns in zip(linears, sizes, strict=True):
         if isinstance(weights, Tensor):
             weights = dense_weight(weights)
         packed = []
-        for segment, n in zip(weights.segments, ns):
+        for segment, n in zip(weights.segments, ns, strict=True):  # sized by _segment_specs
             view = arena[offset:offset + n]  # each segment on a cache line of its own
             raw = segment.raw.contiguous()  # [rows, row_bytes] uint8
             packed.append((ext.repack(raw, segment.qtype, weights.cols, out=view),  # type: ignore[attr-defined]
