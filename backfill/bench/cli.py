@@ -167,6 +167,9 @@ def add_bench_subparser(subparsers: Any) -> None:
     roofline.add_argument("--measure-steps", type=int, default=8,
                           help="decode steps to time per batch size with the engine (0: skip)")
     roofline.add_argument("--buffer-mb", type=int, default=1024, help="bandwidth test buffer (exceed the L3 cache)")
+    roofline.add_argument("--repeats", type=int, default=5,
+                          help="rounds of (machine, then every batch size's steps), side by side; figures are "
+                               "the medians over the rounds, and the ratio the median of each round's own")
     roofline.add_argument("--result-file", default=None)
     # The measured engine runs every batch size with prompts in as fast as they come.
     _add_engine_arguments(roofline, exclude=("policy", "static_padding", "max_num_seqs", "prefill_budget"))
@@ -375,14 +378,14 @@ def _run_comparison(args: argparse.Namespace, config: CompareConfig, stem: str) 
 
 def _cmd_roofline(args: argparse.Namespace) -> int:
     from backfill.bench.roofline import (decode_roofline, describe_host, engine_model_shape, format_machine,
-                                         format_roofline_table, load_model_shape, measure_machine, resolve_dtype)
+                                         format_roofline_table, load_model_shape, measure_machine, median_machine,
+                                         median_rounds, resolve_dtype)
 
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     _set_threads(args)
-    machine = measure_machine(args.device, buffer_mb=args.buffer_mb)
     shape = load_model_shape(args.model)
     dtype = resolve_dtype(args.dtype, args.device, args.quantization)
-    print(format_machine(machine))
-    measured: dict[int, float] = {}
     engine = None
     if args.measure_steps > 0:
         from backfill.bench.offline import make_engine, measure_decode_step, warm_up
@@ -392,17 +395,31 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
         engine = make_engine(EngineConfig.from_cli_args(args, max_num_seqs=max(args.batch_sizes),
                                                         max_model_len=max_len, prefill_budget=0))
         shape, dtype = engine_model_shape(shape, engine)
+        warm_up(engine)
     print(f"model {shape.name}: {shape.num_params / 1e6:.1f} M parameters, computed in {dtype}, "
           f"{shape.weight_bytes(dtype) / 1e6:.1f} MB of weights read per step")
-    if engine is not None:
-        warm_up(engine)
-        for batch in args.batch_sizes:
-            measured[batch] = measure_decode_step(engine, batch, args.context_len, args.measure_steps)
-            print(f"batch {batch}: measured decode step {1000 * measured[batch]:.1f} ms")
-    rows = decode_roofline(shape, machine, dtype, args.batch_sizes, args.context_len, measured)
+    # Each round measures the machine, then the steps right after it: on a shared machine both
+    # move with the neighbours' load, so each round's ratio compares one moment with itself.
+    machines, rounds = [], []
+    for i in range(args.repeats):
+        machine = measure_machine(args.device, buffer_mb=args.buffer_mb)
+        measured: dict[int, float] = {}
+        if engine is not None:
+            for batch in args.batch_sizes:
+                measured[batch] = measure_decode_step(engine, batch, args.context_len, args.measure_steps)
+        rows = decode_roofline(shape, machine, dtype, args.batch_sizes, args.context_len, measured)
+        machines.append(machine)
+        rounds.append({"machine": machine.to_json(), "rows": rows})
+        steps = ", ".join(f"batch {r['batch_size']} {r['measured_ms']:.1f} ms ({r['measured_over_ideal']:.2f}x)"
+                          for r in rows if "measured_ms" in r)
+        print(f"round {i + 1}/{args.repeats}: {format_machine(machine)}" + (f"\n  {steps}" if steps else ""))
+    machine = median_machine(machines)
+    rows = median_rounds([r["rows"] for r in rounds])
+    print(f"\nmedian over {args.repeats} round(s): {format_machine(machine)}")
     print(format_roofline_table(rows))
     _write_json(_result_path(args, "roofline"), {
         "host": describe_host(), "machine": machine.to_json(), "model": shape.__dict__, "dtype": dtype, "rows": rows,
+        "rounds": rounds,
     })
     return 0
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -281,6 +282,41 @@ def decode_roofline(
     return rows
 
 
+def median_machine(machines: Sequence[MachineRoofline]) -> MachineRoofline:
+    """One machine whose every figure is the median over `machines` (rounds on one device)."""
+    first = machines[0]
+    peaks = [m.fma_peak_gflops for m in machines if m.fma_peak_gflops is not None]
+    return replace(
+        first,
+        read_gbps=statistics.median(m.read_gbps for m in machines),
+        copy_gbps=statistics.median(m.copy_gbps for m in machines),
+        matmul_gflops={k: statistics.median(m.matmul_gflops[k] for m in machines) for k in first.matmul_gflops},
+        fma_peak_gflops=statistics.median(peaks) if peaks else None,
+    )
+
+
+def median_rounds(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """`decode_roofline` rows of several rounds (each round's machine and steps measured side by
+    side, one after the other) as one row per batch size: every figure the median over the
+    rounds, `measured_over_ideal` the median of the rounds' own ratios, which `ratios` lists.
+
+    On a shared machine the bandwidth, the FMA peak and the step all move with the neighbours'
+    load from second to second: a ratio of figures measured minutes apart mixes two machines."""
+    rows = []
+    for i, first in enumerate(rounds[0]):
+        same = [r[i] for r in rounds]
+        row = dict(first)
+        for key in ("ideal_ms", "memory_ms", "compute_ms", "ideal_tokens_per_s", "measured_ms",
+                    "measured_tokens_per_s", "measured_over_ideal"):
+            if key in first:
+                row[key] = statistics.median(r[key] for r in same)
+        row["bound"] = statistics.mode(r["bound"] for r in same)
+        if "measured_over_ideal" in first:
+            row["ratios"] = [r["measured_over_ideal"] for r in same]
+        rows.append(row)
+    return rows
+
+
 def format_machine(machine: MachineRoofline) -> str:
     flops = ", ".join(f"{k} {v:.0f}" for k, v in machine.matmul_gflops.items())
     peak = "" if machine.fma_peak_gflops is None else f", fp32 FMA peak {machine.fma_peak_gflops:.0f} GFLOP/s"
@@ -312,6 +348,11 @@ def format_roofline_table(rows: list[dict[str, Any]]) -> str:
             else:
                 line += " - | - | - |"
         lines.append(line)
+    rounds = [r for r in rows if len(r.get("ratios", [])) > 1]
+    if rounds:
+        lines.append("")
+        lines.append("measured / ideal, each round (the machine and the steps side by side; the table: the median):")
+        lines.extend(f"- batch {r['batch_size']}: " + ", ".join(f"{x:.2f}x" for x in r["ratios"]) for r in rounds)
     return "\n".join(lines)
 
 

@@ -52,10 +52,12 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path: Path, command: list[s
 def test_roofline_command_with_measured_steps(tmp_path: Path) -> None:
     out = tmp_path / "roofline.json"
     proc = _bench("roofline", "--batch-sizes", "1", "2", "--context-len", "16", "--measure-steps", "2",
-                  "--dtype", "float32", "--buffer-mb", "128", "--result-file", str(out))
+                  "--dtype", "float32", "--buffer-mb", "128", "--repeats", "2", "--result-file", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert [r["batch_size"] for r in data["rows"]] == [1, 2]
+    assert len(data["rounds"]) == 2 and all(len(r["ratios"]) == 2 for r in data["rows"])
+    assert "round 2/2: device cpu" in proc.stdout and "median over 2 round(s)" in proc.stdout
     assert all(r["measured_ms"] > 0 and r["ideal_ms"] > 0 for r in data["rows"])
     assert data["machine"]["read_gbps"] > 0 and data["machine"]["matmul_gflops"]["float32"] > 0
     assert "| batch | context | ideal step (ms) |" in proc.stdout and data["host"]["num_cpus"] >= 1

@@ -18,6 +18,8 @@ from backfill.bench.roofline import (
     decode_roofline,
     format_machine,
     format_roofline_table,
+    median_machine,
+    median_rounds,
     ideal_step,
     load_model_shape,
     measure_machine,
@@ -185,6 +187,32 @@ def test_decode_roofline_rows_and_table() -> None:
     assert "measured_ms" not in rows[1]
     table = format_roofline_table(rows)
     assert table.count("\n") == 5 and "| 8 | 128 |" in table and " - | - | - |" in table
+
+
+def test_rounds_take_the_median_of_each_rounds_own_ratio() -> None:
+    # three rounds: the machine and the steps move together (a neighbour's load), then apart
+    fast = replace(MACHINE, read_gbps=40.0, fma_peak_gflops=400.0)
+    slow = replace(MACHINE, read_gbps=20.0, fma_peak_gflops=200.0)
+    odd = replace(MACHINE, read_gbps=31.0, fma_peak_gflops=500.0)
+    rounds = [decode_roofline(SMOL, m, "float32", [1, 32], 128, measured_s=s)
+              for m, s in ((fast, {1: 0.004, 32: 0.03}), (slow, {1: 0.008, 32: 0.06}), (odd, {1: 0.02, 32: 0.2}))]
+    rows = median_rounds(rounds)
+    assert [r["batch_size"] for r in rows] == [1, 32]
+    for i, row in enumerate(rows):
+        ratios = [r[i]["measured_over_ideal"] for r in rounds]
+        assert row["ratios"] == ratios and row["measured_over_ideal"] == sorted(ratios)[1]
+        assert row["measured_ms"] == sorted(r[i]["measured_ms"] for r in rounds)[1]
+    # the fast and slow rounds agree (the same step on the same machine, at half speed)
+    assert rows[0]["ratios"][0] == pytest.approx(rows[0]["ratios"][1])
+    assert rows[0]["measured_over_ideal"] == pytest.approx(rows[0]["ratios"][0])
+    table = format_roofline_table(rows)
+    assert "each round" in table and "- batch 32: " + ", ".join(f"{x:.2f}x" for x in rows[1]["ratios"]) in table
+    # one round: the table as before, no per-round list
+    assert "each round" not in format_roofline_table(median_rounds(rounds[:1]))
+    machine = median_machine([fast, slow, odd])
+    assert (machine.read_gbps, machine.fma_peak_gflops) == (31.0, 400.0)
+    assert machine.matmul_gflops == MACHINE.matmul_gflops and machine.device == "cpu"
+    assert median_machine([MACHINE]).fma_peak_gflops is None
 
 
 def test_model_shape_from_the_default_gguf_and_an_hf_folder(tmp_path: Path) -> None:
