@@ -190,8 +190,8 @@ class CpuDecoder:
     def row_shards(self) -> int:
         """How a step's rows meet the threads: -1 (the default) a shard of the sequences per thread,
         each taken through every layer on its own thread, when the step is short queries that split
-        evenly (decodes, chunks of up to 16 tokens; at least 4 tokens a thread, and 2 x threads a
-        thread on more than 2), else each operation over all the threads; 0 never shards; 1
+        evenly (decodes, chunks of up to 16 tokens; at least 6 tokens a thread, and 2 x threads a
+        thread on more than 3), else each operation over all the threads; 0 never shards; 1
         shards any step with a sequence per thread. It changes no result, only how often the
         threads meet (once a step instead of ~8 times a layer)."""
         return int(self._step.row_shards)

@@ -143,11 +143,13 @@ int64_t l3_prefetch_cap() {
 constexpr int64_t kFlopsPerByte = 12;
 
 // Row shards (FusedDecoder::plan_shards): at least this many tokens a shard (and 2 per shard
-// as many shards there are: each shard reads every weight, from the shared L3 at best, from
-// memory at worst, where a few rows' GEMM is memory-bound; on 2 threads of a Zen 5 EPYC the
-// break-even was ~4 rows a shard), no sequence with more query tokens than this (a prompt
-// chunk's rows are better split by columns, over the threads one operation at a time).
-constexpr int64_t kShardMinRows = 4;
+// as many shards there are: each shard reads and dequantizes every weight, from the shared L3
+// at best, from memory at worst, and a shard of a few rows brings in little of its attention's
+// K/V under its MLP, see plan_attention; on 2 threads of a Zen 5 EPYC 8 decodes ran ~6% faster
+// unsharded, 10 ~2%, and 12 ~2% faster sharded; on its AVX2 kernels 8-16 were even), no sequence
+// with more query tokens than this (a prompt chunk's rows are better split by columns, over the
+// threads one operation at a time).
+constexpr int64_t kShardMinRows = 6;
 constexpr int64_t kShardMaxQueries = 16;
 
 class FusedDecoder {
