@@ -18,11 +18,11 @@ from backfill.bench.roofline import (
     decode_roofline,
     format_machine,
     format_roofline_table,
-    median_machine,
-    median_rounds,
     ideal_step,
     load_model_shape,
     measure_machine,
+    median_machine,
+    median_rounds,
     resolve_dtype,
 )
 
