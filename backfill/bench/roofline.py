@@ -305,10 +305,9 @@ def median_rounds(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, 
     rows = []
     for i, first in enumerate(rounds[0]):
         same = [r[i] for r in rounds]
-        row = dict(first)
-        for key in ("ideal_ms", "memory_ms", "compute_ms", "ideal_tokens_per_s", "measured_ms",
-                    "measured_tokens_per_s", "measured_over_ideal"):
-            if key in first:
+        row = dict(first)  # batch size and context: the same in every round
+        for key, value in first.items():
+            if isinstance(value, float):  # the measured and derived figures
                 row[key] = statistics.median(r[key] for r in same)
         row["bound"] = statistics.mode(r["bound"] for r in same)
         if "measured_over_ideal" in first:
