@@ -120,6 +120,50 @@ def test_qlinear_accuracy_and_batch_invariance(name: str, isa: str, restore_isa:
         assert torch.equal(ext.qlinear(others, packed, qtype, n, k)[3], full[i])
 
 
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """fp32 fma(a, b, c) through float64: a * b is exact there, and its sum with c rounds twice
+    (to 53 bits, then 24), which differs from one rounding only on an exact fp32 tie."""
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+
+
+def block_sum(x: np.ndarray) -> np.ndarray:
+    """X_b of every row: x [rows, 32] summed as block_tree does (lanes l + l+16, then + l+8, ..)."""
+    s = x[:, :16] + x[:, 16:]
+    for h in (8, 4, 2, 1):
+        s = s[:, :h] + s[:, h : 2 * h]
+    return s[:, 0]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
+def test_block_types_compute_the_factored_sum(name: str, isa: str, restore_isa: None) -> None:
+    """TileJob's definition, written out from the GGUF blocks: y = fma(S_b, d_b, y), then
+    y = fma(X_b, m_b, y) over the blocks, S_b the fma chain of x * code over the block."""
+    use_isa(isa)
+    qtype, n, k, raw, packed = packed_case(name, seed=5)
+    blocks = raw.numpy().reshape(n, k // 32, -1)  # [N, blocks, bytes]
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, blocks]
+    if name == "Q4_1":
+        m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[:, :, 4:20]
+        codes = np.concatenate([qs & 0xF, qs >> 4], axis=2).astype(np.float32)  # [N, blocks, 32]
+    else:
+        m = None
+        codes = blocks[:, :, 2:34].copy().view(np.int8).astype(np.float32)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(6))
+    xn = x.numpy().reshape(3, k // 32, 32)
+    want = np.zeros((3, n), np.float32)
+    for b in range(k // 32):
+        s = np.zeros((3, n), np.float32)
+        for j in range(32):
+            s = fma32(xn[:, b, j : j + 1], codes[None, :, b, j], s)
+        want = fma32(s, d[None, :, b], want)
+        if m is not None:
+            want = fma32(block_sum(xn[:, b])[:, None], m[None, :, b], want)
+    got = ext.qlinear(x, packed, qtype, n, k).numpy()
+    assert np.array_equal(got.view(np.int32), want.view(np.int32))
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_isas_are_bit_identical(name: str, restore_isa: None) -> None:
     qtype, n, k, _, packed = packed_case(name, seed=2)

@@ -46,11 +46,27 @@ constexpr int64_t kQ4_KDmin = 32, kQ4_KScales = 64, kQ4_KQs = 256;
 constexpr int64_t kQ6_KScales = 32, kQ6_KQl = 288, kQ6_KQh = 2336;
 }  // namespace tile_off
 
+// The sum of s[0 .. 15] as a fixed tree (s is overwritten): lanes l and l + 8, then l + 4, l + 2,
+// l + 1. With s[l] = x[l] + x[l + 16] (32-column blocks) or x[l] (16-column blocks): a block's
+// sum of x, X_b in the factored sums below.
+inline float block_tree(float* s) {
+  for (int h = 8; h >= 1; h /= 2)
+    for (int l = 0; l < h; ++l) s[l] = s[l] + s[l + h];
+  return s[0];
+}
+
 // One job of the packed GEMM: y[:, 16*tile_begin ..) for output tiles [tile_begin, tile_end),
 // single-threaded (qgemm.cpp splits the tiles between threads). y[i, n] = (sum_k x[i, k] *
-// w[n, k] + bias[n]) (+ y[i, n] if accumulate), the sum one fp32 FMA chain over k = 0, 1, ...,
-// K - 1 (from +0) on the weights exactly as dequantize_row_ref gives them: every ISA and every
-// blocking reproduces it bit for bit.
+// w[n, k] + bias[n]) (+ y[i, n] if accumulate), the sum in fp32 in one fixed order that every
+// ISA and every blocking reproduces bit for bit:
+// - F32 / F16: one FMA chain over k = 0, 1, ..., K - 1 (from +0) on the weights exactly as
+//   dequantize_row_ref gives them;
+// - the block types, factored: a weight is w = q d_b + m_b (q its integer code, d_b and m_b its
+//   block's per-row scale and offset: see qgemm_kernels.h), and y is one chain over the blocks
+//   b = 0, 1, ... (from +0) of y = fma(S_b, d_b, y), then y = fma(X_b, m_b, y) (types with an
+//   offset), where S_b is the FMA chain over the block's columns in order (from +0) of x[i, k] q
+//   and X_b the block's sum of x[i, k] (block_tree). One FMA per weight and row where
+//   dequantizing first takes two at one row: a decode step's GEMMs are FMA-bound on one core.
 struct TileJob {
   const float* x;  // [m, K], row stride ldx
   int64_t m;
@@ -73,7 +89,8 @@ struct TileJob {
 };
 
 // A job's scratch: [panels: <= 2048 columns x 16 rows][partial sums: <= kScratchPartRows rows x 4
-// tiles x 16][x packed: ~512 KB, and at least 16 rows x K] fp32.
+// tiles x 16][x packed: ~512 KB, and at least 16 rows x K][the packed rows' block sums X: a
+// sixteenth of x packed (blocks of 16 columns or more)] fp32.
 constexpr int64_t kScratchPanelFloats = 2048 * kTileRows;
 constexpr int64_t kScratchPartRows = 1024;
 constexpr int64_t kScratchPartFloats = kScratchPartRows * 4 * kTileRows;
@@ -82,7 +99,7 @@ inline int64_t job_scratch_x_floats(int64_t cols) {
   return kScratchXFloats > 16 * cols ? kScratchXFloats : 16 * cols;
 }
 inline int64_t job_scratch_floats(int64_t cols) {
-  return kScratchPanelFloats + kScratchPartFloats + job_scratch_x_floats(cols);
+  return kScratchPanelFloats + kScratchPartFloats + job_scratch_x_floats(cols) + job_scratch_x_floats(cols) / 16;
 }
 
 }  // namespace backfill

@@ -10,6 +10,13 @@ namespace backfill {
 // every fast kernel must reproduce (up to fp32 summation order).
 void dequantize_row_ref(const QMatrix& w, int64_t row, float* out);
 
+// The block types' factored form (the fast kernels' numbers, see TileJob): row `row`'s integer
+// codes q[0 .. cols) as fp32 and each block's scale d and offset m (blocks of
+// factored_block_elems(type) columns: 32, 16 for Q6_K; 0 for F32 / F16, which are not factored),
+// w = fma(q, d, m) exactly as dequantize_row_ref gives it.
+int64_t factored_block_elems(QType type);
+void factored_row_ref(const QMatrix& w, int64_t row, float* q, float* d, float* m);
+
 // Scalar reference GEMM over output rows [n_begin, n_end): single-threaded.
 void qgemm_ref(const float* x, int64_t m, int64_t ldx, const QMatrix& w, const float* bias, float* y,
                int64_t ldy, int64_t n_begin, int64_t n_end);

@@ -69,6 +69,14 @@ AI VF vi_to_f(VI a) { return VF{_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.h
 AI VF vf_nib_lo(VI a) { return vi_to_f(vi_and(a, 0xF)); }
 AI VF vf_nib_hi(VI a) { return vi_to_f(vi_srl<4>(a)); }
 
+// block_tree's order: lanes l + (l + 8), then + (l + 4), + (l + 2), + (l + 1).
+AI float vf_block_tree(VF a) {
+  const __m256 h = _mm256_add_ps(a.lo, a.hi);
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1)));
+}
+
 // pack_x's 16-row fast path: AVX2 blocks are at most 6 rows (kFusedMaxM, kPanelMaxMR below), so
 // it is never reached here; all columns are left to pack_x's scalar copy.
 AI int64_t pack_x16(const float*, int64_t, int64_t, float*) { return 0; }
@@ -83,8 +91,12 @@ constexpr int kFusedMaxM = 4;
 // an AVX2-only CPU).
 constexpr bool kFusedHalves = true;
 constexpr int fused_nt(int mr) { return mr == 1 ? 2 : 1; }
+constexpr int kVfRegs = 8;  // VF registers (16 ymm: 8 VF)
 constexpr int kPanelNT = 1;
 constexpr int kPanelMaxMR = 6;
+// The block types' panels: 6 x 16 with their sums y in memory (3 x 16 with y in registers ran
+// ~35% slower).
+constexpr int kPanelMaxMRF = 6;
 constexpr int64_t kPanelKc = 256;  // a panel of 16 KB
 
 }  // namespace

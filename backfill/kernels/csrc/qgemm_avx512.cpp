@@ -53,6 +53,14 @@ AI VF vf_nib_lo(VI a) {
 }
 AI VF vf_nib_hi(VI a) { return vi_to_f(vi_srl<4>(a)); }
 
+// block_tree's order: lanes l + (l + 8), then + (l + 4), + (l + 2), + (l + 1).
+AI float vf_block_tree(VF a) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1)));
+}
+
 // out[k][16] = x[0 .. 15][k] for k < cols rounded down to 16 (x rows ldx floats apart): 16 x 16
 // blocks transposed in registers (unpacks within 128-bit lanes, then a 4 x 4 transpose of the
 // lanes), where a scalar copy stores every float on a line of its own. Returns the columns done.
@@ -98,8 +106,13 @@ constexpr int kFusedMaxM = 16;
 // 32 rows 4.5 -> 4.1 ms; the decode step at batch 20 8% and at 32 6% faster than on the panels).
 constexpr bool kFusedHalves = true;
 constexpr int fused_nt(int mr) { return mr == 1 ? 6 : mr <= 2 ? 4 : mr <= 4 ? 3 : mr <= 8 ? 2 : 1; }
+constexpr int kVfRegs = 32;  // VF registers (32 zmm)
 constexpr int kPanelNT = 2;
 constexpr int kPanelMaxMR = 12;
+// The block types' panels: 6 x 32, their sums y in registers beside the 12 code sums (12 x 32
+// with y in memory: prompt-sized GEMMs 8-11% slower than dequantized panels, 6 x 32 2-5%; 7 x 32
+// spills).
+constexpr int kPanelMaxMRF = 6;
 constexpr int64_t kPanelKc = 192;  // 2 panels of 12 KB
 
 }  // namespace

@@ -5,15 +5,19 @@
 //   vf_bcast, vf_fma (a * b + c, one rounding), vf_mul, vf_add, vf_load_f16 (16 halves),
 //   vi_load_u8 / vi_load_s8 (16 bytes widened), vi_and, vi_srl<s>, vi_sll<s>, vi_or_and
 //   (a | (b & mask)), vi_to_f, vf_nib_lo (float(v & 15)), vf_nib_hi (float(v >> 4), v < 256),
+//   vf_block_tree (the sum of the 16 lanes in block_tree's order, packed.h),
 //   pack_x16 (x's 16 rows column by column, as many columns as it does: see pack_x);
-//   and the blocking constants: kFusedMaxM, fused_nt(mr), kFusedHalves, kPanelNT, kPanelMaxMR, kPanelKc.
+//   and the blocking constants: kFusedMaxM, fused_nt(mr), kFusedHalves, kVfRegs, kPanelNT, kPanelMaxMR,
+//   kPanelMaxMRF (the block types' panels), kPanelKc.
 // Everything here has internal linkage: each ISA unit gets its own copy (see isa.h).
 //
-// Numbers (the invariant every path keeps, see TileJob): lanes run across 16 output rows, so
-// y[i, n] is one FMA chain over k = 0 .. K-1 in order, and w[n, k] is the reference's value:
-// every type's dequantization is "exact product, one rounding" (fp16 scale x small integer
-// code fits in fp32's 24 bits), so fma(q, d, m) == ref's q * d + m bit for bit. Blocking (how
-// many rows / tiles per kernel call, panels or registers, threads) never changes a chain.
+// Numbers (the invariant every path keeps, see TileJob): lanes run across 16 output rows. For
+// F32 / F16, y[i, n] is one FMA chain over k = 0 .. K-1 in order on the reference's weights. For
+// the block types, the chain runs over blocks: each block's codes times x in a chain of their
+// own (S), folded in as y = fma(S, d, y), y = fma(X, m, y) with the block's scale and offset,
+// d and m computed as dequantize_row_ref computes them ("exact product, one rounding": the
+// fp16 scale times a small integer fits fp32's 24 bits). Blocking (how many rows / tiles per
+// kernel call, panels or registers, threads) never changes a chain.
 #pragma once
 
 #define BF_AI inline __attribute__((always_inline))
@@ -23,16 +27,19 @@ namespace backfill {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// Weight producers, one per type: for_each<NT>(tiles, k0, kn, fn) calls fn(k, w) for k = k0,
-// k0 + 1, .., k0 + kn - 1 in order, w[t] the 16 weights (fp32) of tiles[t] at column k.
-// k0 and kn are multiples of 32 (any for F16).
+// Weight producers, one per type. F16: for_each<NT>(tiles, k0, kn, fn) calls fn(k, w) for k = k0,
+// k0 + 1, .., k0 + kn - 1 in order, w[t] the 16 weights (fp32) of tiles[t] at column k. The
+// block types: for_each_code (below).
 
 struct DqF32 {
   static constexpr bool kIsPanel = true;  // a tile is already a [K][16] fp32 panel: nothing to do
+  static constexpr bool kFactored = false, kHasMin = false;
+  static constexpr int64_t kQB = 0;
 };
 
 struct DqF16 {
-  static constexpr bool kIsPanel = false;
+  static constexpr bool kIsPanel = false, kFactored = false, kHasMin = false;
+  static constexpr int64_t kQB = 0;
   template <int NT, class Fn>
   BF_AI static void for_each(const uint8_t* const* tiles, int64_t k0, int64_t kn, Fn&& fn) {
     for (int64_t k = k0; k < k0 + kn; ++k) {
@@ -43,78 +50,87 @@ struct DqF16 {
   }
 };
 
+// The block types' codes, factored (see TileJob): for_each_code<NT>(tiles, k0, kn, code, fold)
+// calls code(k, q) for k = k0 .. k0 + kn - 1 in order, q[t] the integer codes (as fp32, exact)
+// of tiles[t] at column k, and after each block's last column fold(b, d, m): block b (columns
+// kQB b ..), d[t] / m[t] its per-row scale and offset (m: kHasMin only), w = fma(q, d, m).
+// k0 and kn are multiples of 32.
+
 // 32 columns k0 .. k0 + 31 of 4-bit codes, 16 groups of 16 bytes per tile (byte r of group g:
-// columns 2g (low nibble) and 2g + 1 of row r), as w = fma(q, d, m) with per-row d and m.
-template <int NT, class Fn>
-BF_AI void nibble_columns(const uint8_t* const* qs, const VF* d, const VF* m, int64_t k0, Fn&& fn) {
+// columns 2g (low nibble) and 2g + 1 of row r).
+template <int NT, class Code>
+BF_AI void nibble_codes(const uint8_t* const* qs, int64_t k0, Code&& code) {
   for (int g = 0; g < 16; ++g) {
-    VF w0[NT], w1[NT];
+    VF q0[NT], q1[NT];
     BF_UNROLL for (int t = 0; t < NT; ++t) {
       const VI q = vi_load_u8(qs[t] + 16 * g);
-      w0[t] = vf_fma(vf_nib_lo(q), d[t], m[t]);
-      w1[t] = vf_fma(vf_nib_hi(q), d[t], m[t]);
+      q0[t] = vf_nib_lo(q);
+      q1[t] = vf_nib_hi(q);
     }
-    fn(k0 + 2 * g, w0);
-    fn(k0 + 2 * g + 1, w1);
+    code(k0 + 2 * g, q0);
+    code(k0 + 2 * g + 1, q1);
   }
 }
 
-// Q4_0 (w = (q - 8) d = fma(q, d, -8 d)) and Q4_1 (w = q d + m = fma(q, d, m)): one tile block
-// per 32 columns, byte r of group g holding columns 2g (low nibble) and 2g + 1 of row r.
-template <bool kHasMin>
+// Q4_0 (w = (q - 8) d: m = -8 d) and Q4_1 (w = q d + m): one tile block per 32 columns.
+template <bool kMin>
 struct DqQ4 {
-  static constexpr bool kIsPanel = false;
-  static constexpr int64_t kBlockBytes = kHasMin ? 320 : 288;
-  static constexpr int64_t kQs = kHasMin ? tile_off::kQ4_1Qs : tile_off::kQ4_0Qs;
-  template <int NT, class Fn>
-  BF_AI static void for_each(const uint8_t* const* tiles, int64_t k0, int64_t kn, Fn&& fn) {
+  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true;
+  static constexpr int64_t kQB = QK;
+  static constexpr int64_t kBlockBytes = kMin ? 320 : 288;
+  static constexpr int64_t kQs = kMin ? tile_off::kQ4_1Qs : tile_off::kQ4_0Qs;
+  template <int NT, class Code, class Fold>
+  BF_AI static void for_each_code(const uint8_t* const* tiles, int64_t k0, int64_t kn, Code&& code, Fold&& fold) {
     for (int64_t b = k0 / QK; b < (k0 + kn) / QK; ++b) {
-      VF d[NT], m[NT];
       const uint8_t* qs[NT];
+      BF_UNROLL for (int t = 0; t < NT; ++t) qs[t] = tiles[t] + b * kBlockBytes + kQs;
+      nibble_codes<NT>(qs, b * QK, code);
+      VF d[NT], m[NT];
       BF_UNROLL for (int t = 0; t < NT; ++t) {
         const uint8_t* blk = tiles[t] + b * kBlockBytes;
         d[t] = vf_load_f16(blk);
-        m[t] = kHasMin ? vf_load_f16(blk + tile_off::kQ4_1M) : vf_mul(d[t], vf_set1(-8.0f));
-        qs[t] = blk + kQs;
+        m[t] = kMin ? vf_load_f16(blk + tile_off::kQ4_1M) : vf_mul(d[t], vf_set1(-8.0f));
       }
-      nibble_columns<NT>(qs, d, m, b * QK, fn);
+      fold(b, d, m);
     }
   }
 };
 
-// Q8_0: w = q d (int8 q).
+// Q8_0: w = q d (int8 q), no offset.
 struct DqQ8_0 {
-  static constexpr bool kIsPanel = false;
-  template <int NT, class Fn>
-  BF_AI static void for_each(const uint8_t* const* tiles, int64_t k0, int64_t kn, Fn&& fn) {
+  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = false;
+  static constexpr int64_t kQB = QK;
+  template <int NT, class Code, class Fold>
+  BF_AI static void for_each_code(const uint8_t* const* tiles, int64_t k0, int64_t kn, Code&& code, Fold&& fold) {
     for (int64_t b = k0 / QK; b < (k0 + kn) / QK; ++b) {
-      VF d[NT];
       const uint8_t* qs[NT];
-      BF_UNROLL for (int t = 0; t < NT; ++t) {
-        const uint8_t* blk = tiles[t] + b * 544;
-        d[t] = vf_load_f16(blk);
-        qs[t] = blk + tile_off::kQ8_0Qs;
-      }
+      BF_UNROLL for (int t = 0; t < NT; ++t) qs[t] = tiles[t] + b * 544 + tile_off::kQ8_0Qs;
       for (int k = 0; k < QK; ++k) {
-        VF w[NT];
-        BF_UNROLL for (int t = 0; t < NT; ++t) w[t] = vf_mul(vi_to_f(vi_load_s8(qs[t] + 16 * k)), d[t]);
-        fn(b * QK + k, w);
+        VF q[NT];
+        BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_to_f(vi_load_s8(qs[t] + 16 * k));
+        code(b * QK + k, q);
       }
+      VF d[NT];
+      BF_UNROLL for (int t = 0; t < NT; ++t) d[t] = vf_load_f16(tiles[t] + b * 544);
+      fold(b, d, d);  // (no offset: the second is not read)
     }
   }
 };
 
-// Q4_K: per 32-column sub-block j, w = (d sc_j) q - dmin m_j = fma(q, d sc_j, -(dmin m_j)), the
-// 6-bit sc_j / m_j unpacked from the 12 scale bytes as ggml's get_scale_min_k4 does.
+// Q4_K: per 32-column sub-block j, d_j = d sc_j and m_j = -(dmin mn_j) (w = d_j q + m_j), the
+// 6-bit sc_j / mn_j unpacked from the 12 scale bytes as ggml's get_scale_min_k4 does.
 struct DqQ4_K {
-  static constexpr bool kIsPanel = false;
-  template <int NT, class Fn>
-  BF_AI static void for_each(const uint8_t* const* tiles, int64_t k0, int64_t kn, Fn&& fn) {
+  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true;
+  static constexpr int64_t kQB = 32;
+  template <int NT, class Code, class Fold>
+  BF_AI static void for_each_code(const uint8_t* const* tiles, int64_t k0, int64_t kn, Code&& code, Fold&& fold) {
     for (int64_t s = k0 / 32; s < (k0 + kn) / 32; ++s) {
       const int64_t b = s / 8;
       const int j = static_cast<int>(s % 8);
-      VF d1[NT], m1[NT];
       const uint8_t* qs[NT];
+      BF_UNROLL for (int t = 0; t < NT; ++t) qs[t] = tiles[t] + b * 2304 + tile_off::kQ4_KQs + 16 * 16 * j;
+      nibble_codes<NT>(qs, s * 32, code);
+      VF d1[NT], m1[NT];
       BF_UNROLL for (int t = 0; t < NT; ++t) {
         const uint8_t* blk = tiles[t] + b * 2304;
         const uint8_t* sc = blk + tile_off::kQ4_KScales;  // [12][16] bytes
@@ -129,50 +145,63 @@ struct DqQ4_K {
         }
         d1[t] = vf_mul(vf_load_f16(blk), vi_to_f(scj));
         m1[t] = vf_mul(vf_load_f16(blk + tile_off::kQ4_KDmin), vf_mul(vi_to_f(mj), vf_set1(-1.0f)));
-        qs[t] = blk + tile_off::kQ4_KQs + 16 * 16 * j;
       }
-      nibble_columns<NT>(qs, d1, m1, s * 32, fn);
+      fold(s, d1, m1);
     }
   }
 };
 
-// Q6_K: per 16-column sub-block, w = (d sc) (q - 32) = fma(q, d sc, -32 d sc), q 6-bit from a
-// low nibble (ql) and two high bits (qh).
+// Q6_K: per 16-column sub-block, d_s = d sc and m_s = -32 d_s (w = d_s (q - 32)), q 6-bit from
+// a low nibble (ql) and two high bits (qh).
 struct DqQ6_K {
-  static constexpr bool kIsPanel = false;
-  template <int NT, class Fn>
-  BF_AI static void for_each(const uint8_t* const* tiles, int64_t k0, int64_t kn, Fn&& fn) {
+  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true;
+  static constexpr int64_t kQB = 16;
+  template <int NT, class Code, class Fold>
+  BF_AI static void for_each_code(const uint8_t* const* tiles, int64_t k0, int64_t kn, Code&& code, Fold&& fold) {
     for (int64_t s = k0 / 16; s < (k0 + kn) / 16; ++s) {
       const int64_t b = s / 16;
       const int j = static_cast<int>(s % 16);  // scale index; columns 16 j .. 16 j + 15
-      VF ds[NT], nds[NT];
       const uint8_t *ql[NT], *qh[NT];
       BF_UNROLL for (int t = 0; t < NT; ++t) {
         const uint8_t* blk = tiles[t] + b * 3360;
-        ds[t] = vf_mul(vf_load_f16(blk), vi_to_f(vi_load_s8(blk + tile_off::kQ6_KScales + 16 * j)));
-        nds[t] = vf_mul(ds[t], vf_set1(-32.0f));
         ql[t] = blk + tile_off::kQ6_KQl + 16 * 8 * j;
         qh[t] = blk + tile_off::kQ6_KQh + 16 * 4 * j;
       }
       for (int u = 0; u < 4; ++u) {  // columns 16 j + 4 u .. + 3
-        VF w0[NT], w1[NT], w2[NT], w3[NT];
+        VF q0[NT], q1[NT], q2[NT], q3[NT];
         BF_UNROLL for (int t = 0; t < NT; ++t) {
           const VI l0 = vi_load_u8(ql[t] + 16 * (2 * u)), l1 = vi_load_u8(ql[t] + 16 * (2 * u + 1));
           const VI h = vi_load_u8(qh[t] + 16 * u);
-          w0[t] = vf_fma(vi_to_f(vi_or_and(vi_and(l0, 0xF), vi_sll<4>(h), 0x30)), ds[t], nds[t]);
-          w1[t] = vf_fma(vi_to_f(vi_or_and(vi_srl<4>(l0), vi_sll<2>(h), 0x30)), ds[t], nds[t]);
-          w2[t] = vf_fma(vi_to_f(vi_or_and(vi_and(l1, 0xF), h, 0x30)), ds[t], nds[t]);
-          w3[t] = vf_fma(vi_to_f(vi_or_and(vi_srl<4>(l1), vi_srl<2>(h), 0x30)), ds[t], nds[t]);
+          q0[t] = vi_to_f(vi_or_and(vi_and(l0, 0xF), vi_sll<4>(h), 0x30));
+          q1[t] = vi_to_f(vi_or_and(vi_srl<4>(l0), vi_sll<2>(h), 0x30));
+          q2[t] = vi_to_f(vi_or_and(vi_and(l1, 0xF), h, 0x30));
+          q3[t] = vi_to_f(vi_or_and(vi_srl<4>(l1), vi_srl<2>(h), 0x30));
         }
         const int64_t k = s * 16 + 4 * u;
-        fn(k, w0);
-        fn(k + 1, w1);
-        fn(k + 2, w2);
-        fn(k + 3, w3);
+        code(k, q0);
+        code(k + 1, q1);
+        code(k + 2, q2);
+        code(k + 3, q3);
       }
+      VF ds[NT], nds[NT];
+      BF_UNROLL for (int t = 0; t < NT; ++t) {
+        const uint8_t* blk = tiles[t] + b * 3360;
+        ds[t] = vf_mul(vf_load_f16(blk), vi_to_f(vi_load_s8(blk + tile_off::kQ6_KScales + 16 * j)));
+        nds[t] = vf_mul(ds[t], vf_set1(-32.0f));
+      }
+      fold(s, ds, nds);
     }
   }
 };
+
+// X[b] of one row: the sum of x[kQB b .. kQB b + kQB - 1] as a fixed tree (block_sum_ref in
+// packed.h: the scalar kernels' copy), out[b * stride] for b < cols / qb.
+BF_AI void block_sums(const float* x, int64_t cols, int64_t qb, float* out, int64_t stride) {
+  for (int64_t b = 0; b < cols / qb; ++b, out += stride) {
+    const float* xb = x + b * qb;
+    *out = vf_block_tree(qb == 32 ? vf_add(vf_load(xb), vf_load(xb + 16)) : vf_load(xb));
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Epilogue: y[row0 + i, 16 (tile0 + t) ..] = acc (+ bias) (+ y if accumulate), the last tile cut
@@ -225,9 +254,13 @@ inline int block_rows(int64_t rows, int64_t num_blocks, int64_t b) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Fused kernel (few rows): dequantize NT tiles straight into registers and FMA them into MR x NT
+// Fused kernel (few rows): decode NT tiles straight into registers (F16: weights; the block types:
+// codes, each block's sums folded with its scale and offset) and FMA them into MR x NT
 // accumulators; the weights are read once per call, from memory. NT tiles give NT x MR
-// independent chains, enough to hide the FMA latency at MR = 1.
+// independent chains, enough to hide the FMA latency at MR = 1. At one row, the factored form
+// takes one FMA per weight where dequantizing took two: the step's GEMMs on one core of a Zen 5
+// EPYC, from memory, 2.21-2.31 ms against 2.60-2.76 (AVX-512), 4.25-4.30 against 5.06-5.13
+// (AVX2).
 
 // The job's side prefetch (TileJob::side), spread evenly over the job's FMA blocks (the panel
 // kernel: one every few columns of each block, issued in bursts they would wait for miss
@@ -313,9 +346,17 @@ BF_AI void prefetch_chunk(const TileJob& job, int64_t tile0, int64_t c, int64_t 
   }
 }
 
+// Rows [row0, row0 + mr) of x as their block sums, out [K / qb][mr] (see block_sums).
+inline void pack_xs(const TileJob& job, int64_t row0, int mr, int64_t qb, float* out) {
+  for (int i = 0; i < mr; ++i) block_sums(job.x + (row0 + i) * job.ldx, job.cols, qb, out + i, mr);
+}
+
+// MR rows x NT tiles: the rows' chains in MR x NT accumulators. The block types keep each
+// block's code sums S there and fold them into y (TileJob) block by block: y in registers where
+// both fit beside the codes and a broadcast, else in memory (used once a block).
 template <class Dq, int MR, int NT>
-__attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, int64_t tile0, SideCursor& side,
-                                           int64_t row0 = 0) {
+__attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, const float* xs, int64_t tile0,
+                                           SideCursor& side, int64_t row0 = 0) {
   const int64_t tb = tile_bytes(job.type, job.cols);
   const uint8_t* tiles[NT];
   BF_UNROLL for (int t = 0; t < NT; ++t) tiles[t] = job.w + (tile0 + t) * tb;
@@ -327,17 +368,47 @@ __attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, 
       BF_UNROLL for (int t = 0; t < NT; ++t) acc[i][t] = vf_fma(xb, w[t], acc[i][t]);
     }
   };
-  if (job.cols % 32 != 0) {  // F16 only (the block types' K is a multiple of 32)
-    Dq::template for_each<NT>(tiles, 0, job.cols, fma_column);
-  } else {
-    const int64_t nc = job.cols / 32, cb = tb / nc;
-    if (tile0 == job.tile_begin) {  // the job's first chunks; later groups were prefetched by the one before
-      for (int64_t c = 0; c < kFusedPrefetchChunks; ++c) prefetch_chunk<NT>(job, tile0, c, nc, tb, cb);
+  if constexpr (!Dq::kFactored) {
+    if (job.cols % 32 != 0) {  // F16 only (the block types' K is a multiple of 32)
+      Dq::template for_each<NT>(tiles, 0, job.cols, fma_column);
+      store_acc<MR, NT>(acc, job, row0, tile0);
+      return;
     }
-    for (int64_t c = 0; c < nc; ++c) {
-      prefetch_chunk<NT>(job, tile0, c + kFusedPrefetchChunks, nc, tb, cb);
-      side.burst();
-      Dq::template for_each<NT>(tiles, 32 * c, 32, fma_column);
+  }
+  constexpr bool kYRegs = !Dq::kFactored || 2 * MR * NT + 2 * NT + 2 <= kVfRegs;
+  VF y[MR][NT];
+  alignas(64) float ym[kYRegs ? 16 : MR * NT * 16];
+  BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) {
+    if constexpr (kYRegs) y[i][t] = vf_zero();
+    else vf_store(ym + (i * NT + t) * 16, vf_zero());
+  }
+  const auto fold = [&](int64_t b, const VF* d, const VF* m) __attribute__((always_inline)) {
+    BF_UNROLL for (int i = 0; i < MR; ++i) {
+      VF xm = vf_zero();
+      if constexpr (Dq::kHasMin) xm = vf_bcast(xs + b * MR + i);
+      BF_UNROLL for (int t = 0; t < NT; ++t) {
+        VF v = kYRegs ? y[i][t] : vf_load(ym + (i * NT + t) * 16);
+        v = vf_fma(acc[i][t], d[t], v);
+        if constexpr (Dq::kHasMin) v = vf_fma(xm, m[t], v);
+        if constexpr (kYRegs) y[i][t] = v;
+        else vf_store(ym + (i * NT + t) * 16, v);
+        acc[i][t] = vf_zero();
+      }
+    }
+  };
+  const int64_t nc = job.cols / 32, cb = tb / nc;
+  if (tile0 == job.tile_begin) {  // the job's first chunks; later groups were prefetched by the one before
+    for (int64_t c = 0; c < kFusedPrefetchChunks; ++c) prefetch_chunk<NT>(job, tile0, c, nc, tb, cb);
+  }
+  for (int64_t c = 0; c < nc; ++c) {
+    prefetch_chunk<NT>(job, tile0, c + kFusedPrefetchChunks, nc, tb, cb);
+    side.burst();
+    if constexpr (Dq::kFactored) Dq::template for_each_code<NT>(tiles, 32 * c, 32, fma_column, fold);
+    else Dq::template for_each<NT>(tiles, 32 * c, 32, fma_column);
+  }
+  if constexpr (Dq::kFactored) {
+    BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) {
+      acc[i][t] = kYRegs ? y[i][t] : vf_load(ym + (i * NT + t) * 16);
     }
   }
   store_acc<MR, NT>(acc, job, row0, tile0);
@@ -346,63 +417,80 @@ __attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, 
 // Tiles [tile_begin, tile_end) for rows [row0, row0 + MR): groups of NT tiles, the rest in one
 // smaller group.
 template <class Dq, int MR, int NT>
-void fused_tiles(const TileJob& job, const float* xp, int64_t tile_begin, int64_t tile_end, SideCursor& side) {
+void fused_tiles(const TileJob& job, const float* xp, const float* xs, int64_t tile_begin, int64_t tile_end,
+                 SideCursor& side) {
   int64_t tile = tile_begin;
-  for (; tile + NT <= tile_end; tile += NT) fused_block<Dq, MR, NT>(job, xp, tile, side);
+  for (; tile + NT <= tile_end; tile += NT) fused_block<Dq, MR, NT>(job, xp, xs, tile, side);
   if constexpr (NT > 1) {
-    if (tile < tile_end) fused_tiles<Dq, MR, NT - 1>(job, xp, tile, tile_end, side);
+    if (tile < tile_end) fused_tiles<Dq, MR, NT - 1>(job, xp, xs, tile, tile_end, side);
   }
 }
 
-// All job.m rows (<= kFusedMaxM) at once; xp = x packed [K][m].
+// All job.m rows (<= kFusedMaxM) at once; xp = x packed [K][m], xs = its block sums [K / kQB][m].
 template <class Dq, int MR = 1>
-void fused_rows(const TileJob& job, int mr, const float* xp) {
+void fused_rows(const TileJob& job, int mr, const float* xp, const float* xs) {
   if constexpr (MR < kFusedMaxM) {
-    if (mr != MR) return fused_rows<Dq, MR + 1>(job, mr, xp);
+    if (mr != MR) return fused_rows<Dq, MR + 1>(job, mr, xp, xs);
   }
   constexpr int64_t nt = fused_nt(MR);
   SideCursor side;  // one share per 32-column chunk (fused_block)
   side.start(job.side, job.side_begin, job.side_end, (job.tile_end - job.tile_begin + nt - 1) / nt * (job.cols / 32));
-  fused_tiles<Dq, MR, fused_nt(MR)>(job, xp, job.tile_begin, job.tile_end, side);
+  fused_tiles<Dq, MR, fused_nt(MR)>(job, xp, xs, job.tile_begin, job.tile_end, side);
 }
 
 // kFusedMaxM + 1 .. 2 kFusedMaxM rows: two halves of MA and MB rows, each tile's two passes back
-// to back (the second reads the tile from L1): the dequantization in registers overlaps the FMAs,
+// to back (the second reads the tile from L1): the decoding in registers overlaps the FMAs,
 // where the panel kernel runs it as a phase of its own.
 template <class Dq, int MA, int MB>
-void fused_pairs(const TileJob& job, const float* xa, const float* xb, SideCursor& side) {
+void fused_pairs(const TileJob& job, const float* xa, const float* xb, const float* sa, const float* sb,
+                 SideCursor& side) {
   for (int64_t tile = job.tile_begin; tile < job.tile_end; ++tile) {
-    fused_block<Dq, MA, 1>(job, xa, tile, side, 0);
-    fused_block<Dq, MB, 1>(job, xb, tile, side, MA);
+    fused_block<Dq, MA, 1>(job, xa, sa, tile, side, 0);
+    fused_block<Dq, MB, 1>(job, xb, sb, tile, side, MA);
   }
 }
 
-// ma = mb or mb + 1, kFusedMaxM / 2 < ma <= kFusedMaxM; xa, xb = the halves packed [K][ma], [K][mb].
+// ma = mb or mb + 1, kFusedMaxM / 2 < ma <= kFusedMaxM; xa, xb = the halves packed [K][ma], [K][mb],
+// sa, sb their block sums.
 template <class Dq, int MA = kFusedMaxM / 2 + 1>
-void fused_halves(const TileJob& job, int ma, int mb, const float* xa, const float* xb) {
+void fused_halves(const TileJob& job, int ma, int mb, const float* xa, const float* xb, const float* sa,
+                  const float* sb) {
   if constexpr (MA < kFusedMaxM) {
-    if (ma != MA) return fused_halves<Dq, MA + 1>(job, ma, mb, xa, xb);
+    if (ma != MA) return fused_halves<Dq, MA + 1>(job, ma, mb, xa, xb, sa, sb);
   }
   SideCursor side;
   side.start(job.side, job.side_begin, job.side_end, 2 * (job.tile_end - job.tile_begin) * (job.cols / 32));
-  if (mb == MA) fused_pairs<Dq, MA, MA>(job, xa, xb, side);
-  else fused_pairs<Dq, MA, MA - 1>(job, xa, xb, side);
+  if (mb == MA) fused_pairs<Dq, MA, MA>(job, xa, xb, sa, sb, side);
+  else fused_pairs<Dq, MA, MA - 1>(job, xa, xb, sa, sb, side);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Panel kernel (more rows): NT tiles dequantized into fp32 panels [kc][16] a column chunk at a
-// time (kPanelKc columns: the panels stay in L1), then every block of MR <= kPanelMaxMR rows
-// runs an MR x NT register-blocked FMA loop over the chunk (broadcast x, 16-wide weights), so
-// the dequantization is shared by all the rows. Between chunks each block's accumulators wait
-// in `part` (fp32, stored and reloaded exactly: the chains are the same as unchunked).
+// Panel kernel (more rows): NT tiles decoded into fp32 panels [kc][16] a column chunk at a time
+// (kPanelKc columns: the panels stay in L1; F16: weights, the block types: codes, with each
+// block's scale and offset beside them), then every block of MR <= panel_max_mr rows runs an
+// MR x NT register-blocked FMA loop over the chunk (broadcast x, 16-wide weights), so the
+// decoding is shared by all the rows. Between chunks each block's accumulators wait in `part`
+// (fp32, stored and reloaded exactly: the chains are the same as unchunked). The block types'
+// fold costs 2 FMAs per row, tile and block where the dequantization was shared by the panel's
+// rows: prompt chunks run ~3-8% slower than dequantized (AVX-512 / AVX2, Zen 5).
 
-static_assert(kPanelNT * kPanelKc <= kScratchPanelFloats / kTileRows, "panels exceed the job scratch");
 static_assert(kPanelNT <= 4 && kPanelMaxMR <= 16 && kFusedMaxM <= 16, "partial sums / packed x exceed the scratch");
 
-template <int MR, int NT>
-__attribute__((noinline)) void panel_block(const TileJob& job, int64_t row0, const float* xp, int64_t tile0,
-                                           const float* const* panels, int64_t k0, int64_t kn, float* part,
-                                           bool first, bool last, SideCursor& weights, SideCursor& side) {
+// The block types' panels hold codes, not weights; their blocks' d and m wait beside them
+// ([kPanelKc / 16][2][16] floats a tile: the most blocks a chunk holds).
+constexpr int64_t kPanelDmFloats = kPanelKc / 16 * 32;
+static_assert(kPanelNT * (kPanelKc * kTileRows + kPanelDmFloats) <= kScratchPanelFloats, "panels exceed the job scratch");
+
+// Rows per panel block: the block types hold their sums y in registers beside the code sums
+// where both fit (kPanelMaxMRF rows), else in `part`.
+template <class Dq>
+constexpr int panel_max_mr() { return Dq::kFactored ? kPanelMaxMRF : kPanelMaxMR; }
+
+template <class Dq, int MR, int NT>
+__attribute__((noinline)) void panel_block(const TileJob& job, int64_t row0, const float* xp, const float* xs,
+                                           int64_t tile0, const float* const* panels, const float* const* dms,
+                                           int64_t k0, int64_t kn, float* part, bool first, bool last,
+                                           SideCursor& weights, SideCursor& side) {
   xp += k0 * MR;  // x packed [K][MR]
   // this block's prefetches, evenly over its columns: the next chunk's weights, then side lines
   const int64_t n_weights = weights.quota(), n = n_weights + side.quota();
@@ -412,71 +500,141 @@ __attribute__((noinline)) void panel_block(const TileJob& job, int64_t row0, con
   BF_UNROLL for (int t = 0; t < NT; ++t) p[t] = panels[t];
   VF acc[MR][NT];
   BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) {
-    acc[i][t] = first ? vf_zero() : vf_load(part + (i * NT + t) * kTileRows);
+    acc[i][t] = first || Dq::kFactored ? vf_zero() : vf_load(part + (i * NT + t) * kTileRows);
   }
-  for (int64_t k = 0; k < kn; ++k) {
-    if (k == next_prefetch) {
-      for (int64_t i = 0; i < per_step && issued < n; ++i, ++issued) {
-        if (issued < n_weights) weights.next_line();
-        else side.next_line();
+  // columns [k, k1) into the accumulators
+  const auto columns = [&](int64_t k, int64_t k1) __attribute__((always_inline)) {
+    for (; k < k1; ++k) {
+      if (k == next_prefetch) {
+        for (int64_t i = 0; i < per_step && issued < n; ++i, ++issued) {
+          if (issued < n_weights) weights.next_line();
+          else side.next_line();
+        }
+        next_prefetch = issued < n ? k + stride : kn;
       }
-      next_prefetch = issued < n ? k + stride : kn;
+      VF w[NT];
+      BF_UNROLL for (int t = 0; t < NT; ++t) w[t] = vf_load(p[t] + 16 * k);
+      BF_UNROLL for (int i = 0; i < MR; ++i) {
+        const VF xb = vf_bcast(xp + k * MR + i);
+        BF_UNROLL for (int t = 0; t < NT; ++t) acc[i][t] = vf_fma(xb, w[t], acc[i][t]);
+      }
     }
-    VF w[NT];
-    BF_UNROLL for (int t = 0; t < NT; ++t) w[t] = vf_load(p[t] + 16 * k);
-    BF_UNROLL for (int i = 0; i < MR; ++i) {
-      const VF xb = vf_bcast(xp + k * MR + i);
-      BF_UNROLL for (int t = 0; t < NT; ++t) acc[i][t] = vf_fma(xb, w[t], acc[i][t]);
+  };
+  if constexpr (!Dq::kFactored) {
+    columns(0, kn);
+    if (last) {
+      store_acc<MR, NT>(acc, job, row0, tile0);
+    } else {
+      BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) {
+        vf_store(part + (i * NT + t) * kTileRows, acc[i][t]);
+      }
     }
-  }
-  if (last) {
-    store_acc<MR, NT>(acc, job, row0, tile0);
   } else {
+    // each block's code sums fold into y: in registers where they fit beside the sums, the
+    // weights and a broadcast (loaded from / stored to `part` between chunks), else in `part`
+    constexpr int64_t qb = Dq::kQB;
+    constexpr bool kYRegs = 2 * MR * NT + NT + 1 <= kVfRegs;
+    const float* xsb = xs + k0 / qb * MR;  // this chunk's first block
+    VF y[MR][NT];
+    if constexpr (kYRegs) {
+      BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) {
+        y[i][t] = first ? vf_zero() : vf_load(part + (i * NT + t) * kTileRows);
+      }
+    }
+    for (int64_t bl = 0; bl < kn / qb; ++bl) {
+      columns(bl * qb, bl * qb + qb);
+      VF dv[NT], mv[NT];
+      BF_UNROLL for (int t = 0; t < NT; ++t) {
+        dv[t] = vf_load(dms[t] + 32 * bl);
+        mv[t] = Dq::kHasMin ? vf_load(dms[t] + 32 * bl + 16) : dv[t];
+      }
+      BF_UNROLL for (int i = 0; i < MR; ++i) {
+        VF xm = vf_zero();
+        if constexpr (Dq::kHasMin) xm = vf_bcast(xsb + bl * MR + i);
+        BF_UNROLL for (int t = 0; t < NT; ++t) {
+          float* yp = part + (i * NT + t) * kTileRows;
+          VF v;
+          if constexpr (kYRegs) v = y[i][t];
+          else v = first && bl == 0 ? vf_zero() : vf_load(yp);
+          v = vf_fma(acc[i][t], dv[t], v);
+          if constexpr (Dq::kHasMin) v = vf_fma(xm, mv[t], v);
+          if constexpr (kYRegs) y[i][t] = v;
+          else vf_store(yp, v);
+          acc[i][t] = vf_zero();
+        }
+      }
+    }
     BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) {
-      vf_store(part + (i * NT + t) * kTileRows, acc[i][t]);
+      if constexpr (kYRegs) acc[i][t] = y[i][t];
+      else acc[i][t] = vf_load(part + (i * NT + t) * kTileRows);
+    }
+    if (last) {
+      store_acc<MR, NT>(acc, job, row0, tile0);
+    } else if constexpr (kYRegs) {
+      BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) {
+        vf_store(part + (i * NT + t) * kTileRows, acc[i][t]);
+      }
     }
   }
 }
 
-template <int NT, int MR = 1>
-void panel_rows(int mr, const TileJob& job, int64_t row0, const float* xp, int64_t tile0, const float* const* panels,
-                int64_t k0, int64_t kn, float* part, bool first, bool last, SideCursor& weights, SideCursor& side) {
-  if constexpr (MR < kPanelMaxMR) {
+template <class Dq, int NT, int MR = 1>
+void panel_rows(int mr, const TileJob& job, int64_t row0, const float* xp, const float* xs, int64_t tile0,
+                const float* const* panels, const float* const* dms, int64_t k0, int64_t kn, float* part, bool first,
+                bool last, SideCursor& weights, SideCursor& side) {
+  if constexpr (MR < panel_max_mr<Dq>()) {
     if (mr != MR)
-      return panel_rows<NT, MR + 1>(mr, job, row0, xp, tile0, panels, k0, kn, part, first, last, weights, side);
+      return panel_rows<Dq, NT, MR + 1>(mr, job, row0, xp, xs, tile0, panels, dms, k0, kn, part, first, last, weights,
+                                        side);
   }
-  panel_block<MR, NT>(job, row0, xp, tile0, panels, k0, kn, part, first, last, weights, side);
+  panel_block<Dq, MR, NT>(job, row0, xp, xs, tile0, panels, dms, k0, kn, part, first, last, weights, side);
 }
 
-// Columns [k0, k0 + kn) of one tile into panel [kn][16].
+// Columns [k0, k0 + kn) of one tile into panel [kn][16]: its weights (F16), or its codes and
+// each block's d and m into dm [kn / kQB][2][16] (the block types).
 template <class Dq>
-__attribute__((noinline)) void dequant_panel(const uint8_t* tile, int64_t k0, int64_t kn, float* panel) {
+__attribute__((noinline)) void dequant_panel(const uint8_t* tile, int64_t k0, int64_t kn, float* panel, float* dm) {
   const uint8_t* tiles[1] = {tile};
-  Dq::template for_each<1>(tiles, k0, kn, [&](int64_t k, const VF* w) __attribute__((always_inline)) {
-    vf_store(panel + 16 * (k - k0), w[0]);
-  });
+  const auto put = [&](int64_t k, const VF* w) __attribute__((always_inline)) { vf_store(panel + 16 * (k - k0), w[0]); };
+  if constexpr (Dq::kFactored) {
+    Dq::template for_each_code<1>(tiles, k0, kn, put, [&](int64_t b, const VF* d, const VF* m) __attribute__((always_inline)) {
+      float* at = dm + 32 * (b - k0 / Dq::kQB);
+      vf_store(at, d[0]);
+      vf_store(at + 16, m[0]);
+    });
+  } else {
+    Dq::template for_each<1>(tiles, k0, kn, put);
+  }
 }
 
 // Rows [row_begin, row_end) x tiles [tile0, tile0 + NT), in balanced blocks of <= kPanelMaxMR rows
-// (block_rows); xp = those rows packed by pack_x, block after block.
+// (block_rows); xp = those rows packed by pack_x, block after block; xs their block sums, the
+// same way (block types).
 template <class Dq, int NT>
-void panel_group(const TileJob& job, int64_t row_begin, int64_t row_end, const float* xp, int64_t tile0,
-                 SideCursor& side) {
+void panel_group(const TileJob& job, int64_t row_begin, int64_t row_end, const float* xp, const float* xs,
+                 int64_t tile0, SideCursor& side) {
   const int64_t tb = tile_bytes(job.type, job.cols);
   float* part = job.scratch + kScratchPanelFloats;  // [rows][NT][16] partial sums
   const int64_t rows = row_end - row_begin;
-  const int64_t num_blocks = (rows + kPanelMaxMR - 1) / kPanelMaxMR;
+  constexpr int64_t max_mr = panel_max_mr<Dq>();
+  const int64_t num_blocks = (rows + max_mr - 1) / max_mr;
+  int64_t nb = 0;  // blocks of kQB columns per row (block types)
+  if constexpr (Dq::kFactored) nb = job.cols / Dq::kQB;
   for (int64_t k0 = 0; k0 < job.cols; k0 += kPanelKc) {
     const int64_t kn = job.cols - k0 < kPanelKc ? job.cols - k0 : kPanelKc;
     const float* panels[NT];
+    const float* dms[NT];
     BF_UNROLL for (int t = 0; t < NT; ++t) {
       const uint8_t* tile = job.w + (tile0 + t) * tb;
+      dms[t] = nullptr;
       if constexpr (Dq::kIsPanel) {
         panels[t] = reinterpret_cast<const float*>(tile) + kTileRows * k0;
       } else {
         float* panel = job.scratch + t * kTileRows * kPanelKc;  // [kn][16]
-        dequant_panel<Dq>(tile, k0, kn, panel);
+        float* dm = job.scratch + NT * kTileRows * kPanelKc + t * kPanelDmFloats;
+        dequant_panel<Dq>(tile, k0, kn, panel, dm);
         panels[t] = panel;
+        dms[t] = dm;
       }
     }
     // The next chunk's weights (these tiles' next columns, or the next group's first ones) come
@@ -501,19 +659,23 @@ void panel_group(const TileJob& job, int64_t row_begin, int64_t row_end, const f
     int64_t row = row_begin;
     for (int64_t b = 0; b < num_blocks; ++b) {
       const int mr = block_rows(rows, num_blocks, b);
-      panel_rows<NT>(mr, job, row, xp + (row - row_begin) * job.cols, tile0, panels, k0, kn,
-                     part + (row - row_begin) * NT * kTileRows, k0 == 0, k0 + kn == job.cols, weights, side);
+      panel_rows<Dq, NT>(mr, job, row, xp + (row - row_begin) * job.cols, xs + (row - row_begin) * nb, tile0, panels,
+                         dms, k0, kn, part + (row - row_begin) * NT * kTileRows, k0 == 0, k0 + kn == job.cols, weights,
+                         side);
       row += mr;
     }
   }
 }
 
 template <class Dq>
-void panel_path(const TileJob& job, float* xp) {
+void panel_path(const TileJob& job, float* xp, float* xs) {
   // Rows in chunks whose x slice (~512 KB) stays in L2 while all the job's tiles pass over it;
   // each chunk dequantizes the weights again (a few % of the FMAs at these sizes).
   int64_t chunk = kScratchXFloats / job.cols;
-  chunk = chunk < kPanelMaxMR ? kPanelMaxMR : chunk > kScratchPartRows ? kScratchPartRows : chunk;
+  constexpr int64_t max_mr = panel_max_mr<Dq>();
+  chunk = chunk < max_mr ? max_mr : chunk > kScratchPartRows ? kScratchPartRows : chunk;
+  int64_t nb = 0;  // blocks of kQB columns per row (block types)
+  if constexpr (Dq::kFactored) nb = job.cols / Dq::kQB;
   SideCursor side;
   if (job.side != nullptr) {
     const int64_t tiles = job.tile_end - job.tile_begin, groups = tiles / kPanelNT + tiles % kPanelNT;
@@ -521,44 +683,54 @@ void panel_path(const TileJob& job, float* xp) {
     int64_t blocks = 0;  // FMA blocks the job runs (panel_rows calls)
     for (int64_t r0 = 0; r0 < job.m; r0 += chunk) {
       const int64_t r1 = r0 + chunk < job.m ? r0 + chunk : job.m;
-      blocks += groups * k_chunks * ((r1 - r0 + kPanelMaxMR - 1) / kPanelMaxMR);
+      blocks += groups * k_chunks * ((r1 - r0 + max_mr - 1) / max_mr);
     }
     side.start(job.side, job.side_begin, job.side_end, blocks);
   }
   for (int64_t r0 = 0; r0 < job.m; r0 += chunk) {
     const int64_t r1 = r0 + chunk < job.m ? r0 + chunk : job.m;
-    const int64_t num_blocks = (r1 - r0 + kPanelMaxMR - 1) / kPanelMaxMR;
+    const int64_t num_blocks = (r1 - r0 + max_mr - 1) / max_mr;
     for (int64_t b = 0, row = r0; b < num_blocks; ++b) {  // block b -> xp + (row - r0) K: [K][mr]
       const int mr = block_rows(r1 - r0, num_blocks, b);
       pack_x(job, row, mr, xp + (row - r0) * job.cols);
+      if constexpr (Dq::kHasMin) pack_xs(job, row, mr, Dq::kQB, xs + (row - r0) * nb);
       row += mr;
     }
     int64_t tile = job.tile_begin;
-    for (; tile + kPanelNT <= job.tile_end; tile += kPanelNT) panel_group<Dq, kPanelNT>(job, r0, r1, xp, tile, side);
-    for (; tile < job.tile_end; ++tile) panel_group<Dq, 1>(job, r0, r1, xp, tile, side);
+    for (; tile + kPanelNT <= job.tile_end; tile += kPanelNT) panel_group<Dq, kPanelNT>(job, r0, r1, xp, xs, tile, side);
+    for (; tile < job.tile_end; ++tile) panel_group<Dq, 1>(job, r0, r1, xp, xs, tile, side);
   }
 }
 
 template <class Dq>
 void run_job(const TileJob& job) {
   float* xp = job.scratch + kScratchPanelFloats + kScratchPartFloats;  // x packed
+  float* xs = xp + job_scratch_x_floats(job.cols);                      // its block sums
+  int64_t qb = 0;  // columns per block X is needed for (block types with an offset)
+  if constexpr (Dq::kHasMin) qb = Dq::kQB;
   if constexpr (!Dq::kIsPanel) {  // F32 tiles are read in place by the panel kernel at any M
     if (job.m <= kFusedMaxM) {
       pack_x(job, 0, static_cast<int>(job.m), xp);
-      fused_rows<Dq>(job, static_cast<int>(job.m), xp);
+      if (qb > 0) pack_xs(job, 0, static_cast<int>(job.m), qb, xs);
+      fused_rows<Dq>(job, static_cast<int>(job.m), xp, xs);
       return;
     }
     if constexpr (kFusedHalves) {
       if (job.m <= 2 * kFusedMaxM && job.m * job.cols <= job_scratch_x_floats(job.cols) && job.cols % 32 == 0) {
         const int ma = static_cast<int>(job.m + 1) / 2, mb = static_cast<int>(job.m) - ma;
+        float* sb = xs + (qb > 0 ? ma * (job.cols / qb) : 0);
         pack_x(job, 0, ma, xp);
         pack_x(job, ma, mb, xp + ma * job.cols);
-        fused_halves<Dq>(job, ma, mb, xp, xp + ma * job.cols);
+        if (qb > 0) {
+          pack_xs(job, 0, ma, qb, xs);
+          pack_xs(job, ma, mb, qb, sb);
+        }
+        fused_halves<Dq>(job, ma, mb, xp, xp + ma * job.cols, xs, sb);
         return;
       }
     }
   }
-  panel_path<Dq>(job, xp);
+  panel_path<Dq>(job, xp, xs);
 }
 
 BF_AI void run_packed_gemm(const TileJob& job) {

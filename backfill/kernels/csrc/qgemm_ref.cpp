@@ -84,6 +84,54 @@ void dequant_q6_k(const BlockQ6_K* b, int64_t nb, float* y) {
   }
 }
 
+// The factored form (see TileJob): q[k] the codes (as fp32), d[b] / m[b] block b's scale and
+// offset, computed as the fast kernels' producers compute them (so w = fma(q, d, m) bit for bit).
+void factor_q4(const uint8_t* qs, float* q) {
+  for (int j = 0; j < QK / 2; ++j) {
+    q[j] = static_cast<float>(qs[j] & 0x0F);
+    q[j + QK / 2] = static_cast<float>(qs[j] >> 4);
+  }
+}
+
+void factor_q4_k(const BlockQ4_K* b, int64_t nb, float* q, float* d, float* m) {
+  for (int64_t i = 0; i < nb; ++i) {
+    const float bd = fp16_to_fp32(b[i].d), dmin = fp16_to_fp32(b[i].dmin);
+    const uint8_t* qs = b[i].qs;
+    for (int c = 0; c < 4; ++c, qs += 32, q += 64) {  // sub-blocks 2c (low nibbles), 2c + 1 (high)
+      for (int h = 0; h < 2; ++h) {
+        uint8_t sc, mn;
+        scale_min_k4(2 * c + h, b[i].scales, &sc, &mn);
+        *d++ = bd * static_cast<float>(sc);
+        *m++ = dmin * (static_cast<float>(mn) * -1.0f);
+      }
+      for (int l = 0; l < 32; ++l) {
+        q[l] = static_cast<float>(qs[l] & 0xF);
+        q[l + 32] = static_cast<float>(qs[l] >> 4);
+      }
+    }
+  }
+}
+
+void factor_q6_k(const BlockQ6_K* b, int64_t nb, float* q, float* d, float* m) {
+  for (int64_t i = 0; i < nb; ++i) {
+    const float bd = fp16_to_fp32(b[i].d);
+    for (int j = 0; j < QK_K / 16; ++j) {
+      *d = bd * static_cast<float>(b[i].scales[j]);
+      *m++ = *d++ * -32.0f;
+    }
+    const uint8_t* ql = b[i].ql;
+    const uint8_t* qh = b[i].qh;
+    for (int n = 0; n < QK_K; n += 128, q += 128, ql += 64, qh += 32) {
+      for (int l = 0; l < 32; ++l) {
+        q[l] = static_cast<float>((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4));
+        q[l + 32] = static_cast<float>((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4));
+        q[l + 64] = static_cast<float>((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+        q[l + 96] = static_cast<float>((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void dequantize_row_ref(const QMatrix& w, int64_t row, float* out) {
@@ -103,6 +151,51 @@ void dequantize_row_ref(const QMatrix& w, int64_t row, float* out) {
     case QType::Q8_0: dequant_q8_0(reinterpret_cast<const BlockQ8_0*>(src), nb, out); break;
     case QType::Q4_K: dequant_q4_k(reinterpret_cast<const BlockQ4_K*>(src), nb, out); break;
     case QType::Q6_K: dequant_q6_k(reinterpret_cast<const BlockQ6_K*>(src), nb, out); break;
+  }
+}
+
+int64_t factored_block_elems(QType t) {
+  switch (t) {
+    case QType::F32: case QType::F16: return 0;
+    case QType::Q6_K: return 16;
+    default: return 32;
+  }
+}
+
+void factored_row_ref(const QMatrix& w, int64_t row, float* q, float* d, float* m) {
+  const uint8_t* src = w.data + row * w.row_bytes;
+  const int64_t nb = w.cols / block_elems(w.type);
+  switch (w.type) {
+    case QType::F32: case QType::F16: break;
+    case QType::Q4_0: {
+      const auto* b = reinterpret_cast<const BlockQ4_0*>(src);
+      for (int64_t i = 0; i < nb; ++i, q += QK) {
+        d[i] = fp16_to_fp32(b[i].d);
+        m[i] = d[i] * -8.0f;
+        factor_q4(b[i].qs, q);
+      }
+      break;
+    }
+    case QType::Q4_1: {
+      const auto* b = reinterpret_cast<const BlockQ4_1*>(src);
+      for (int64_t i = 0; i < nb; ++i, q += QK) {
+        d[i] = fp16_to_fp32(b[i].d);
+        m[i] = fp16_to_fp32(b[i].m);
+        factor_q4(b[i].qs, q);
+      }
+      break;
+    }
+    case QType::Q8_0: {
+      const auto* b = reinterpret_cast<const BlockQ8_0*>(src);
+      for (int64_t i = 0; i < nb; ++i, q += QK) {
+        d[i] = fp16_to_fp32(b[i].d);
+        m[i] = 0.0f;
+        for (int j = 0; j < QK; ++j) q[j] = static_cast<float>(b[i].qs[j]);
+      }
+      break;
+    }
+    case QType::Q4_K: factor_q4_k(reinterpret_cast<const BlockQ4_K*>(src), nb, q, d, m); break;
+    case QType::Q6_K: factor_q6_k(reinterpret_cast<const BlockQ6_K*>(src), nb, q, d, m); break;
   }
 }
 

@@ -208,24 +208,46 @@ void unpack_row(const PackedMatrix& w, int64_t row, uint8_t* raw_row) {
   }
 }
 
-// The scalar packed GEMM: each weight row as dequantize_row_ref gives it, then per output one
-// fmaf chain over k ascending from +0 (fmaf is correctly rounded, as the SIMD FMAs are).
+// The scalar packed GEMM, the fast kernels' numbers (TileJob) one output at a time: F32 / F16 rows
+// as dequantize_row_ref gives them, one fmaf chain over k ascending from +0; the block types
+// factored (factored_row_ref: codes, block scales and offsets), the chain over blocks of
+// y = fma(S, d, y), y = fma(X, m, y) (fmaf is correctly rounded, as the SIMD FMAs are).
 void packed_gemm_scalar(const TileJob& job) {
-  const int64_t K = job.cols;
+  const int64_t K = job.cols, qb = factored_block_elems(job.type), nb = qb > 0 ? K / qb : 0;
+  const bool has_min = job.type != QType::Q8_0;
   const PackedMatrix w{job.w, job.type, job.rows, K};
   const QMatrix one_row{nullptr, job.type, 1, K, K / block_elems(job.type) * block_bytes(job.type)};
   std::vector<uint8_t> raw(static_cast<size_t>(one_row.row_bytes));  // [row_bytes] GGUF row
-  std::vector<float> wrow(static_cast<size_t>(K));                   // [K] its fp32 weights
+  std::vector<float> wrow(static_cast<size_t>(K));                   // [K] its fp32 weights, or codes
+  std::vector<float> d(static_cast<size_t>(nb)), m(static_cast<size_t>(nb));
+  std::vector<float> xs(static_cast<size_t>(job.m * nb));  // [m, nb] block sums of x
+  for (int64_t i = 0; i < job.m; ++i)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = job.x + i * job.ldx + b * qb;
+      float s[16];
+      for (int l = 0; l < 16; ++l) s[l] = qb == 32 ? xb[l] + xb[l + 16] : xb[l];
+      xs[static_cast<size_t>(i * nb + b)] = block_tree(s);
+    }
   const int64_t n_end = std::min(job.tile_end * kTileRows, job.rows);
   for (int64_t n = job.tile_begin * kTileRows; n < n_end; ++n) {
     unpack_row(w, n, raw.data());
     QMatrix q = one_row;
     q.data = raw.data();
-    dequantize_row_ref(q, 0, wrow.data());
+    if (qb > 0) factored_row_ref(q, 0, wrow.data(), d.data(), m.data());
+    else dequantize_row_ref(q, 0, wrow.data());
     for (int64_t i = 0; i < job.m; ++i) {
       const float* xi = job.x + i * job.ldx;
       float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k) acc = std::fma(xi[k], wrow[static_cast<size_t>(k)], acc);
+      if (qb == 0) {
+        for (int64_t k = 0; k < K; ++k) acc = std::fma(xi[k], wrow[static_cast<size_t>(k)], acc);
+      } else {
+        for (int64_t b = 0; b < nb; ++b) {
+          float s = 0.0f;
+          for (int64_t k = b * qb; k < b * qb + qb; ++k) s = std::fma(xi[k], wrow[static_cast<size_t>(k)], s);
+          acc = std::fma(s, d[static_cast<size_t>(b)], acc);
+          if (has_min) acc = std::fma(xs[static_cast<size_t>(i * nb + b)], m[static_cast<size_t>(b)], acc);
+        }
+      }
       if (job.bias != nullptr) acc = acc + job.bias[n];
       float& out = job.y[i * job.ldy + n];
       out = job.accumulate ? out + acc : acc;
