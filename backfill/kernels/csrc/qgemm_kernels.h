@@ -194,8 +194,8 @@ struct DqQ6_K {
   }
 };
 
-// X[b] of one row: the sum of x[kQB b .. kQB b + kQB - 1] as a fixed tree (block_sum_ref in
-// packed.h: the scalar kernels' copy), out[b * stride] for b < cols / qb.
+// X[b] of one row: the sum of x[qb b .. qb b + qb - 1] in block_tree's order (packed.h; the
+// scalar kernels' copy), out[b * stride] for b < cols / qb.
 BF_AI void block_sums(const float* x, int64_t cols, int64_t qb, float* out, int64_t stride) {
   for (int64_t b = 0; b < cols / qb; ++b, out += stride) {
     const float* xb = x + b * qb;
@@ -375,6 +375,8 @@ __attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, 
       return;
     }
   }
+  // (registers: S and y, two columns of codes, a broadcast and X; AVX2 at one row: y in
+  // registers: the body the same, the LM head 9% slower)
   constexpr bool kYRegs = !Dq::kFactored || 2 * MR * NT + 2 * NT + 2 <= kVfRegs;
   VF y[MR][NT];
   alignas(64) float ym[kYRegs ? 16 : MR * NT * 16];
@@ -533,7 +535,7 @@ __attribute__((noinline)) void panel_block(const TileJob& job, int64_t row0, con
     // each block's code sums fold into y: in registers where they fit beside the sums, the
     // weights and a broadcast (loaded from / stored to `part` between chunks), else in `part`
     constexpr int64_t qb = Dq::kQB;
-    constexpr bool kYRegs = 2 * MR * NT + NT + 1 <= kVfRegs;
+    constexpr bool kYRegs = 2 * MR * NT + NT + 1 <= kVfRegs;  // S and y, the weights, a broadcast
     const float* xsb = xs + k0 / qb * MR;  // this chunk's first block
     VF y[MR][NT];
     if constexpr (kYRegs) {
