@@ -122,7 +122,8 @@ def test_qlinear_accuracy_and_batch_invariance(name: str, isa: str, restore_isa:
 
 def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     """fp32 fma(a, b, c) through float64: a * b is exact there, and its sum with c rounds twice
-    (to 53 bits, then 24), which differs from one rounding only on an exact fp32 tie."""
+    (to 53 bits, then 24), which differs from one rounding only where the first lands on an fp32
+    tie: fixed data, so a fixed outcome."""
     return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
 
 
