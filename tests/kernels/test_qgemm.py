@@ -128,7 +128,7 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 
 def block_sum(x: np.ndarray) -> np.ndarray:
-    """X_b of every row: x [rows, 32] summed as block_tree does (lanes l + l+16, then + l+8, ..)."""
+    """X_b of every row: x [rows, 32] summed as block_sum (packed.h) does (lanes l + l+16, then + l+8, ..)."""
     s = x[:, :16] + x[:, 16:]
     for h in (8, 4, 2, 1):
         s = s[:, :h] + s[:, h : 2 * h]

@@ -46,10 +46,12 @@ constexpr int64_t kQ4_KDmin = 32, kQ4_KScales = 64, kQ4_KQs = 256;
 constexpr int64_t kQ6_KScales = 32, kQ6_KQl = 288, kQ6_KQh = 2336;
 }  // namespace tile_off
 
-// The sum of s[0 .. 15] as a fixed tree (s is overwritten): lanes l and l + 8, then l + 4, l + 2,
-// l + 1. With s[l] = x[l] + x[l + 16] (32-column blocks) or x[l] (16-column blocks): a block's
-// sum of x, X_b in the factored sums below.
-inline float block_tree(float* s) {
+// X_b of the factored sums below: the sum of a block's qb (32 or 16) values x[0 .. qb - 1] as a
+// fixed tree over 16 lanes: s[l] = x[l] + x[l + 16] (32 columns) or x[l] (16), then lanes l and
+// l + 8, l + 4, l + 2, l + 1.
+inline float block_sum(const float* x, int64_t qb) {
+  float s[16];
+  for (int l = 0; l < 16; ++l) s[l] = qb == 32 ? x[l] + x[l + 16] : x[l];
   for (int h = 8; h >= 1; h /= 2)
     for (int l = 0; l < h; ++l) s[l] = s[l] + s[l + h];
   return s[0];
@@ -65,7 +67,7 @@ inline float block_tree(float* s) {
 //   block's per-row scale and offset: see qgemm_kernels.h), and y is one chain over the blocks
 //   b = 0, 1, ... (from +0) of y = fma(S_b, d_b, y), then y = fma(X_b, m_b, y) (types with an
 //   offset), where S_b is the FMA chain over the block's columns in order (from +0) of x[i, k] q
-//   and X_b the block's sum of x[i, k] (block_tree). One FMA per weight and row where
+//   and X_b the block's sum of x[i, k] (block_sum). One FMA per weight and row where
 //   dequantizing first takes two at one row: a decode step's GEMMs are FMA-bound on one core.
 struct TileJob {
   const float* x;  // [m, K], row stride ldx

@@ -69,7 +69,7 @@ AI VF vi_to_f(VI a) { return VF{_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.h
 AI VF vf_nib_lo(VI a) { return vi_to_f(vi_and(a, 0xF)); }
 AI VF vf_nib_hi(VI a) { return vi_to_f(vi_srl<4>(a)); }
 
-// block_tree's order: lanes l + (l + 8), then + (l + 4), + (l + 2), + (l + 1).
+// block_sum's order (packed.h): lanes l + (l + 8), then + (l + 4), + (l + 2), + (l + 1).
 AI float vf_block_tree(VF a) {
   const __m256 h = _mm256_add_ps(a.lo, a.hi);
   const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));

@@ -5,7 +5,7 @@
 //   vf_bcast, vf_fma (a * b + c, one rounding), vf_mul, vf_add, vf_load_f16 (16 halves),
 //   vi_load_u8 / vi_load_s8 (16 bytes widened), vi_and, vi_srl<s>, vi_sll<s>, vi_or_and
 //   (a | (b & mask)), vi_to_f, vf_nib_lo (float(v & 15)), vf_nib_hi (float(v >> 4), v < 256),
-//   vf_block_tree (the sum of the 16 lanes in block_tree's order, packed.h),
+//   vf_block_tree (the sum of the 16 lanes in block_sum's order, packed.h),
 //   pack_x16 (x's 16 rows column by column, as many columns as it does: see pack_x);
 //   and the blocking constants: kFusedMaxM, fused_nt(mr), kFusedHalves, kVfRegs, kPanelNT, kPanelMaxMR,
 //   kPanelMaxMRF (the block types' panels), kPanelKc.
@@ -194,8 +194,8 @@ struct DqQ6_K {
   }
 };
 
-// X[b] of one row: the sum of x[qb b .. qb b + qb - 1] in block_tree's order (packed.h; the
-// scalar kernels' copy), out[b * stride] for b < cols / qb.
+// X[b] of one row: the sum of x[qb b .. qb b + qb - 1] in block_sum's order (packed.h: the
+// definition, which the scalar kernels call), out[b * stride] for b < cols / qb.
 BF_AI void block_sums(const float* x, int64_t cols, int64_t qb, float* out, int64_t stride) {
   for (int64_t b = 0; b < cols / qb; ++b, out += stride) {
     const float* xb = x + b * qb;
@@ -346,9 +346,38 @@ BF_AI void prefetch_chunk(const TileJob& job, int64_t tile0, int64_t c, int64_t 
   }
 }
 
-// Rows [row0, row0 + mr) of x as their block sums, out [K / qb][mr] (see block_sums).
-inline void pack_xs(const TileJob& job, int64_t row0, int mr, int64_t qb, float* out) {
-  for (int i = 0; i < mr; ++i) block_sums(job.x + (row0 + i) * job.ldx, job.cols, qb, out + i, mr);
+// Block sums X a row of K columns needs: one per block for the types with an offset, else none.
+template <class Dq>
+constexpr int64_t x_sum_blocks(int64_t cols) {
+  if constexpr (Dq::kHasMin) return cols / Dq::kQB;
+  return 0;
+}
+
+// Rows [row0, row0 + mr) of x as their block sums, out [x_sum_blocks][mr] (see block_sums;
+// nothing for the types without an offset).
+template <class Dq>
+inline void pack_xs(const TileJob& job, int64_t row0, int mr, float* out) {
+  if constexpr (Dq::kHasMin)
+    for (int i = 0; i < mr; ++i) block_sums(job.x + (row0 + i) * job.ldx, job.cols, Dq::kQB, out + i, mr);
+}
+
+// One block's code sums s of MR rows x NT tiles folded into the rows' sums (TileJob): y = fma(s,
+// d, y), then y = fma(X, m, y) for the types with an offset (xs: the block's X of the MR rows);
+// s back to +0. y in registers (kYRegs), else in memory, ym [MR][NT][16].
+template <class Dq, bool kYRegs, int MR, int NT>
+BF_AI void fold_sums(VF (&s)[MR][NT], VF (&y)[MR][NT], float* ym, const VF* d, const VF* m, const float* xs) {
+  BF_UNROLL for (int i = 0; i < MR; ++i) {
+    VF xm = vf_zero();
+    if constexpr (Dq::kHasMin) xm = vf_bcast(xs + i);
+    BF_UNROLL for (int t = 0; t < NT; ++t) {
+      VF v = kYRegs ? y[i][t] : vf_load(ym + (i * NT + t) * 16);
+      v = vf_fma(s[i][t], d[t], v);
+      if constexpr (Dq::kHasMin) v = vf_fma(xm, m[t], v);
+      if constexpr (kYRegs) y[i][t] = v;
+      else vf_store(ym + (i * NT + t) * 16, v);
+      s[i][t] = vf_zero();
+    }
+  }
 }
 
 // MR rows x NT tiles: the rows' chains in MR x NT accumulators. The block types keep each
@@ -385,18 +414,7 @@ __attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, 
     else vf_store(ym + (i * NT + t) * 16, vf_zero());
   }
   const auto fold = [&](int64_t b, const VF* d, const VF* m) __attribute__((always_inline)) {
-    BF_UNROLL for (int i = 0; i < MR; ++i) {
-      VF xm = vf_zero();
-      if constexpr (Dq::kHasMin) xm = vf_bcast(xs + b * MR + i);
-      BF_UNROLL for (int t = 0; t < NT; ++t) {
-        VF v = kYRegs ? y[i][t] : vf_load(ym + (i * NT + t) * 16);
-        v = vf_fma(acc[i][t], d[t], v);
-        if constexpr (Dq::kHasMin) v = vf_fma(xm, m[t], v);
-        if constexpr (kYRegs) y[i][t] = v;
-        else vf_store(ym + (i * NT + t) * 16, v);
-        acc[i][t] = vf_zero();
-      }
-    }
+    fold_sums<Dq, kYRegs>(acc, y, ym, d, m, xs + b * MR);
   };
   const int64_t nc = job.cols / 32, cb = tb / nc;
   if (tile0 == job.tile_begin) {  // the job's first chunks; later groups were prefetched by the one before
@@ -538,10 +556,9 @@ __attribute__((noinline)) void panel_block(const TileJob& job, int64_t row0, con
     constexpr bool kYRegs = 2 * MR * NT + NT + 1 <= kVfRegs;  // S and y, the weights, a broadcast
     const float* xsb = xs + k0 / qb * MR;  // this chunk's first block
     VF y[MR][NT];
-    if constexpr (kYRegs) {
-      BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) {
-        y[i][t] = first ? vf_zero() : vf_load(part + (i * NT + t) * kTileRows);
-      }
+    BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) {
+      if constexpr (kYRegs) y[i][t] = first ? vf_zero() : vf_load(part + (i * NT + t) * kTileRows);
+      else if (first) vf_store(part + (i * NT + t) * kTileRows, vf_zero());
     }
     for (int64_t bl = 0; bl < kn / qb; ++bl) {
       columns(bl * qb, bl * qb + qb);
@@ -550,21 +567,7 @@ __attribute__((noinline)) void panel_block(const TileJob& job, int64_t row0, con
         dv[t] = vf_load(dms[t] + 32 * bl);
         mv[t] = Dq::kHasMin ? vf_load(dms[t] + 32 * bl + 16) : dv[t];
       }
-      BF_UNROLL for (int i = 0; i < MR; ++i) {
-        VF xm = vf_zero();
-        if constexpr (Dq::kHasMin) xm = vf_bcast(xsb + bl * MR + i);
-        BF_UNROLL for (int t = 0; t < NT; ++t) {
-          float* yp = part + (i * NT + t) * kTileRows;
-          VF v;
-          if constexpr (kYRegs) v = y[i][t];
-          else v = first && bl == 0 ? vf_zero() : vf_load(yp);
-          v = vf_fma(acc[i][t], dv[t], v);
-          if constexpr (Dq::kHasMin) v = vf_fma(xm, mv[t], v);
-          if constexpr (kYRegs) y[i][t] = v;
-          else vf_store(yp, v);
-          acc[i][t] = vf_zero();
-        }
-      }
+      fold_sums<Dq, kYRegs>(acc, y, part, dv, mv, xsb + bl * MR);
     }
     BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) {
       if constexpr (kYRegs) acc[i][t] = y[i][t];
@@ -620,8 +623,7 @@ void panel_group(const TileJob& job, int64_t row_begin, int64_t row_end, const f
   const int64_t rows = row_end - row_begin;
   constexpr int64_t max_mr = panel_max_mr<Dq>();
   const int64_t num_blocks = (rows + max_mr - 1) / max_mr;
-  int64_t nb = 0;  // blocks of kQB columns per row (block types)
-  if constexpr (Dq::kFactored) nb = job.cols / Dq::kQB;
+  const int64_t nb = x_sum_blocks<Dq>(job.cols);  // X per row
   for (int64_t k0 = 0; k0 < job.cols; k0 += kPanelKc) {
     const int64_t kn = job.cols - k0 < kPanelKc ? job.cols - k0 : kPanelKc;
     const float* panels[NT];
@@ -676,8 +678,7 @@ void panel_path(const TileJob& job, float* xp, float* xs) {
   int64_t chunk = kScratchXFloats / job.cols;
   constexpr int64_t max_mr = panel_max_mr<Dq>();
   chunk = chunk < max_mr ? max_mr : chunk > kScratchPartRows ? kScratchPartRows : chunk;
-  int64_t nb = 0;  // blocks of kQB columns per row (block types)
-  if constexpr (Dq::kFactored) nb = job.cols / Dq::kQB;
+  const int64_t nb = x_sum_blocks<Dq>(job.cols);  // X per row
   SideCursor side;
   if (job.side != nullptr) {
     const int64_t tiles = job.tile_end - job.tile_begin, groups = tiles / kPanelNT + tiles % kPanelNT;
@@ -695,7 +696,7 @@ void panel_path(const TileJob& job, float* xp, float* xs) {
     for (int64_t b = 0, row = r0; b < num_blocks; ++b) {  // block b -> xp + (row - r0) K: [K][mr]
       const int mr = block_rows(r1 - r0, num_blocks, b);
       pack_x(job, row, mr, xp + (row - r0) * job.cols);
-      if constexpr (Dq::kHasMin) pack_xs(job, row, mr, Dq::kQB, xs + (row - r0) * nb);
+      pack_xs<Dq>(job, row, mr, xs + (row - r0) * nb);
       row += mr;
     }
     int64_t tile = job.tile_begin;
@@ -708,25 +709,21 @@ template <class Dq>
 void run_job(const TileJob& job) {
   float* xp = job.scratch + kScratchPanelFloats + kScratchPartFloats;  // x packed
   float* xs = xp + job_scratch_x_floats(job.cols);                      // its block sums
-  int64_t qb = 0;  // columns per block X is needed for (block types with an offset)
-  if constexpr (Dq::kHasMin) qb = Dq::kQB;
   if constexpr (!Dq::kIsPanel) {  // F32 tiles are read in place by the panel kernel at any M
     if (job.m <= kFusedMaxM) {
       pack_x(job, 0, static_cast<int>(job.m), xp);
-      if (qb > 0) pack_xs(job, 0, static_cast<int>(job.m), qb, xs);
+      pack_xs<Dq>(job, 0, static_cast<int>(job.m), xs);
       fused_rows<Dq>(job, static_cast<int>(job.m), xp, xs);
       return;
     }
     if constexpr (kFusedHalves) {
       if (job.m <= 2 * kFusedMaxM && job.m * job.cols <= job_scratch_x_floats(job.cols) && job.cols % 32 == 0) {
         const int ma = static_cast<int>(job.m + 1) / 2, mb = static_cast<int>(job.m) - ma;
-        float* sb = xs + (qb > 0 ? ma * (job.cols / qb) : 0);
+        float* sb = xs + ma * x_sum_blocks<Dq>(job.cols);
         pack_x(job, 0, ma, xp);
         pack_x(job, ma, mb, xp + ma * job.cols);
-        if (qb > 0) {
-          pack_xs(job, 0, ma, qb, xs);
-          pack_xs(job, ma, mb, qb, sb);
-        }
+        pack_xs<Dq>(job, 0, ma, xs);
+        pack_xs<Dq>(job, ma, mb, sb);
         fused_halves<Dq>(job, ma, mb, xp, xp + ma * job.cols, xs, sb);
         return;
       }

@@ -221,13 +221,9 @@ void packed_gemm_scalar(const TileJob& job) {
   std::vector<float> wrow(static_cast<size_t>(K));                   // [K] its fp32 weights, or codes
   std::vector<float> d(static_cast<size_t>(nb)), m(static_cast<size_t>(nb));
   std::vector<float> xs(static_cast<size_t>(job.m * nb));  // [m, nb] block sums of x
-  for (int64_t i = 0; i < job.m; ++i)
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = job.x + i * job.ldx + b * qb;
-      float s[16];
-      for (int l = 0; l < 16; ++l) s[l] = qb == 32 ? xb[l] + xb[l + 16] : xb[l];
-      xs[static_cast<size_t>(i * nb + b)] = block_tree(s);
-    }
+  for (int64_t i = 0; i < job.m && has_min; ++i)
+    for (int64_t b = 0; b < nb; ++b)
+      xs[static_cast<size_t>(i * nb + b)] = block_sum(job.x + i * job.ldx + b * qb, qb);
   const int64_t n_end = std::min(job.tile_end * kTileRows, job.rows);
   for (int64_t n = job.tile_begin * kTileRows; n < n_end; ++n) {
     unpack_row(w, n, raw.data());
