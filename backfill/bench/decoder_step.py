@@ -128,10 +128,11 @@ def bench_attention(repeats: int, block_size: int = 16) -> None:
         _, meta = build_attention_metadata(num_computed, query_lens, tables, block_size, torch.device("cpu"))
         shape = (next_block, block_size, kv_heads, head_dim)
         k_cache, v_cache = torch.randn(shape), torch.randn(shape)  # [blocks, bs, Hkv, D]
+        k_panels, v_panels = k_cache.permute(0, 2, 3, 1).contiguous(), v_cache.permute(0, 2, 1, 3).contiguous()
         q = torch.randn(sum(query_lens), heads, head_dim)  # [T, H, D]
         scale = head_dim**-0.5
         reps = repeats if sum(query_lens) < 512 else max(2, repeats // 3)
-        fused = _timed(lambda: ext.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+        fused = _timed(lambda: ext.paged_attention(q, k_panels, v_panels, meta.block_tables, meta.seq_lens,
                                                    meta.query_start, scale, 0), reps)[0]
         python = _timed(lambda: paged_attention(q, k_cache, v_cache, meta, scale), reps)[0]
         print(f"{name:>22} {fused * 1e3:8.2f} {python * 1e3:8.2f}")
@@ -151,8 +152,9 @@ def bench_padding_rows(repeats: int, block_size: int = 16, rows: int = 16) -> No
         for name, tables in (("real", [list(range(r * n, (r + 1) * n)) for r in range(rows)]),
                              ("padding", [[0] * n for _ in range(rows)])):
             _, meta = build_attention_metadata([context] * rows, [1] * rows, tables, block_size, torch.device("cpu"))
-            shape = (rows * n, block_size, kv_heads, head_dim)
-            caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(layers)]
+            # K [blocks, Hkv, D, bs], V [blocks, Hkv, bs, D]: the kernel's layout
+            caches = [(torch.randn(rows * n, kv_heads, head_dim, block_size),
+                       torch.randn(rows * n, kv_heads, block_size, head_dim)) for _ in range(layers)]
             q = torch.randn(rows, heads, head_dim)
 
             times[name] = _timed(lambda: [ext.paged_attention(q, k, v, meta.block_tables, meta.seq_lens,

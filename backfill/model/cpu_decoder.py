@@ -1,8 +1,8 @@
 """CpuDecoder: the whole decoder stack of one engine step in one C++ call (CPU, fp32 activations).
 
 A drop-in for `LlamaForCausalLM` in the ModelRunner on CPU: the same `forward(input_ids,
-positions, kv_caches, meta)` and `compute_logits(hidden_rows)`, the same KV cache layout, the
-same numbers to fp32 rounding. Where LlamaForCausalLM runs ~20 eager ops per layer, this runs
+positions, kv_caches, meta)` and `compute_logits(hidden_rows)`, the same numbers to fp32
+rounding, over KV caches of its own layout (`kv_cache_shapes`: K transposed per block and head). Where LlamaForCausalLM runs ~20 eager ops per layer, this runs
 the C++ `FusedDecoder` of backfill/kernels/csrc/decoder.cpp: RMSNorm, the fused qkv linear,
 RoPE and the KV write in one pass, paged attention over the caches directly (no gather), the
 residual adds inside the o_proj/down GEMMs, SiLU*mul in one pass. Linear weights are read as
@@ -165,10 +165,24 @@ class CpuDecoder:
         for compute_logits to take in parts."""
         return self._run(input_ids, positions, kv_caches, meta, rows)
 
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of a layer's K and V caches: one panel of block_size x head_dim per block and
+        KV head, K as [num_blocks, Hkv, D, block_size] (transposed: a decode's scores read the
+        keys of one dimension as consecutive floats), V as [num_blocks, Hkv, block_size, D]
+        (LlamaForCausalLM's caches are [num_blocks, block_size, Hkv, D], both; see kv_rows)."""
+        heads, dim = self.config.num_kv_heads, self.config.head_dim
+        return (num_blocks, heads, dim, block_size), (num_blocks, heads, block_size, dim)
+
+    @staticmethod
+    def kv_rows(k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
+        """A layer's caches as LlamaForCausalLM lays them out, [num_blocks, block_size, Hkv, D]
+        each (views, for tests and tools)."""
+        return k_cache.permute(0, 3, 1, 2), v_cache.permute(0, 2, 1, 3)
+
     def make_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[Tensor, Tensor]]:
-        """Zeroed per-layer (k_cache, v_cache) pairs, fp32 [num_blocks, block_size, Hkv, D] each."""
-        shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
-        return [(kernels.zeros(shape), kernels.zeros(shape)) for _ in range(self.config.num_layers)]
+        """Zeroed per-layer (k_cache, v_cache) pairs, fp32, shaped as kv_cache_shapes says."""
+        k_shape, v_shape = self.kv_cache_shapes(num_blocks, block_size)
+        return [(kernels.zeros(k_shape), kernels.zeros(v_shape)) for _ in range(self.config.num_layers)]
 
     @property
     def kv_prefetch_cap(self) -> int:

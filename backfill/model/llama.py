@@ -202,11 +202,21 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         return count + 1
 
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of a layer's K and V caches: [num_blocks, block_size, Hkv, D] both."""
+        shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+        return shape, shape
+
+    @staticmethod
+    def kv_rows(k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor]:
+        """A layer's caches as [num_blocks, block_size, Hkv, D] each: as they are (see CpuDecoder)."""
+        return k_cache, v_cache
+
     def make_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[Tensor, Tensor]]:
         """Zeroed per-layer (k_cache, v_cache) pairs, [num_blocks, block_size, Hkv, D] each, in
         the model's dtype and device (the layout the ModelRunner allocates; for tests and tools)."""
         weight = self.embed_tokens.weight  # [vocab, hidden]
-        shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+        shape, _ = self.kv_cache_shapes(num_blocks, block_size)
 
         def zeros() -> Tensor:
             return torch.zeros(shape, dtype=weight.dtype, device=weight.device)  # [blocks, bs, Hkv, D]

@@ -148,19 +148,19 @@ class ModelRunner:
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model_config
-        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        k_shape, v_shape = self.model.kv_cache_shapes(num_blocks, self.block_size)
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB)",
             num_blocks,
             self.block_size,
             num_blocks * self.block_size * self.kv_bytes_per_token / 2**20,
         )
-        def zeros() -> torch.Tensor:  # K or V [blocks, block_size, kv_heads, head_dim]
+        def zeros(shape: tuple[int, ...]) -> torch.Tensor:  # K or V, as the model lays them out
             if self.device.type == "cpu":  # on huge pages where it can: every step sweeps them
                 return kernels.zeros(shape, self.dtype)
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-        return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+        return [(zeros(k_shape), zeros(v_shape)) for _ in range(cfg.num_layers)]
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput,

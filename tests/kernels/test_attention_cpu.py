@@ -39,9 +39,12 @@ def random_step(case: str, num_heads: int, num_kv_heads: int, head_dim: int, blo
 
 
 def fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, window: int | None = None) -> torch.Tensor:
+    """The kernel over the caches [blocks, bs, Hkv, D] moved into its layout (K [blocks, Hkv, D, bs],
+    V [blocks, Hkv, bs, D])."""
     ext = kernels.extension()
     scale = q.shape[-1] ** -0.5
-    return ext.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start, scale,
+    k_panels, v_panels = k_cache.permute(0, 2, 3, 1).contiguous(), v_cache.permute(0, 2, 1, 3).contiguous()
+    return ext.paged_attention(q, k_panels, v_panels, meta.block_tables, meta.seq_lens, meta.query_start, scale,
                                window or 0)  # [T, H, D]
 
 

@@ -71,7 +71,8 @@ def run_twins(reference, fused, batches, block_size: int = 8) -> None:
         got = fused_driver.step(batch)  # [S, vocab]
         assert got.dtype == torch.float32 and got.shape == expected.shape
         torch.testing.assert_close(got, expected, atol=LOGITS_ATOL, rtol=1e-5, msg=lambda m: f"step {i}: {m}")
-        for layer, ((rk, rv), (fk, fv)) in enumerate(zip(ref_driver.kv_caches, fused_driver.kv_caches)):
+        for layer, ((rk, rv), fused_kv) in enumerate(zip(ref_driver.kv_caches, fused_driver.kv_caches)):
+            fk, fv = fused.kv_rows(*fused_kv)  # [blocks, bs, Hkv, D] as the reference's
             torch.testing.assert_close(fk, rk, atol=1e-5, rtol=1e-5, msg=lambda m: f"step {i} layer {layer} K: {m}")
             torch.testing.assert_close(fv, rv, atol=1e-5, rtol=1e-5, msg=lambda m: f"step {i} layer {layer} V: {m}")
 

@@ -133,8 +133,8 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
     }
   }
   unit_start.push_back(static_cast<int64_t>(tiles.size()));
-  // A unit's tiles read the same key rows (a block row holds every KV head), so its first tile
-  // names the blocks; prompt tiles of one sequence share their first blocks: each is kept once.
+  // A unit's tiles read the same blocks (a block holds every KV head's panel), so its first tile
+  // names them; prompt tiles of one sequence share their first blocks: each is kept once.
   prefetch_blocks.clear();
   const int64_t block_kv_bytes = 2 * shape.block_size * shape.num_kv_heads * shape.head_dim *
                                  static_cast<int64_t>(sizeof(float));
@@ -162,8 +162,8 @@ void AttentionPlan::run(const DecoderKernels& kernels, const AttentionShape& sha
   const int64_t threads = at::get_num_threads();
   const bool parallel = total_work >= kMinParallelWork || total_kv_bytes >= kMinParallelKvBytes;
   // Work items: whole units when there are enough to keep every thread busy (a worker then
-  // reads all KV heads of the same tokens, which share cache lines and pages: one stream for
-  // the prefetchers instead of one per head), single tiles otherwise.
+  // reads all KV heads of the same tokens, whose panels share each block's pages), single
+  // tiles otherwise.
   const bool by_unit = num_units >= 2 * threads;
   const int64_t num_items = by_unit ? num_units : num_tiles;
   const int64_t num_workers = parallel ? std::max<int64_t>(1, std::min<int64_t>(threads, num_items)) : 1;

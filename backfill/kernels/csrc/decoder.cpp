@@ -300,14 +300,19 @@ class FusedDecoder {
                   meta.query_start[s + 1] - meta.query_start[s]);
 
     const torch::Tensor& k0 = std::get<0>(kv_caches[0]);
-    TORCH_CHECK(k0.dim() == 4 && k0.size(2) == num_kv_heads_ && k0.size(3) == head_dim_,
-                "KV caches must be [num_blocks, block_size, num_kv_heads, head_dim]");
-    const int64_t num_blocks = k0.size(0), block_size = k0.size(1);
-    for (const KVCache& kv : kv_caches)
-      for (const torch::Tensor& c : {std::get<0>(kv), std::get<1>(kv)})
-        TORCH_CHECK(c.sizes() == k0.sizes() && c.scalar_type() == torch::kFloat32 && c.is_contiguous() &&
-                        c.device().is_cpu(),
-                    "every KV cache must be a contiguous fp32 CPU tensor shaped like the first");
+    const int64_t num_blocks = k0.dim() == 4 ? k0.size(0) : 0, block_size = k0.dim() == 4 ? k0.size(3) : 0;
+    TORCH_CHECK(k0.dim() == 4 && k0.size(1) == num_kv_heads_ && k0.size(2) == head_dim_ && block_size > 0,
+                "K caches must be [num_blocks, num_kv_heads, head_dim, block_size]");
+    for (const KVCache& kv : kv_caches) {
+      const torch::Tensor &k = std::get<0>(kv), &v = std::get<1>(kv);
+      TORCH_CHECK(k.sizes() == k0.sizes() && v.dim() == 4 && v.size(0) == num_blocks && v.size(1) == num_kv_heads_ &&
+                      v.size(2) == block_size && v.size(3) == head_dim_,
+                  "every K cache must be shaped like the first, every V cache [num_blocks, num_kv_heads, "
+                  "block_size, head_dim]");
+      for (const torch::Tensor& c : {k, v})
+        TORCH_CHECK(c.scalar_type() == torch::kFloat32 && c.is_contiguous() && c.device().is_cpu(),
+                    "every KV cache must be a contiguous fp32 CPU tensor");
+    }
     for (int64_t i = 0; i < num_tokens; ++i)
       TORCH_CHECK(slots[i] >= 0 && slots[i] < num_blocks * block_size, "slot ", slots[i], " out of range");
     const AttentionShape shape{num_kv_heads_, head_dim_, num_heads_ / num_kv_heads_, block_size,
@@ -477,13 +482,14 @@ class FusedDecoder {
     lap(sh.other_s);
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
-      float* k_cache = std::get<0>(kv_caches[l]).data_ptr<float>();  // [blocks, bs, Hkv, D]
-      float* v_cache = std::get<1>(kv_caches[l]).data_ptr<float>();  // [blocks, bs, Hkv, D]
+      float* k_cache = std::get<0>(kv_caches[l]).data_ptr<float>();  // [blocks, Hkv, D, bs]
+      float* v_cache = std::get<1>(kv_caches[l]).data_ptr<float>();  // [blocks, Hkv, bs, D]
       norm_rows(x, layer.input_norm.data_ptr<float>(), num_tokens, xn);
       lap(sh.other_s);
       layer.qkv.run(xn, num_tokens, hidden_, qkv, qkv_cols, false);
       lap(sh.linear_s);
-      rope_and_write_kv(qkv, qkv_cols, b.pos + t0, b.cos, b.sin, b.slots + t0, num_tokens, k_cache, v_cache);
+      rope_and_write_kv(qkv, qkv_cols, b.pos + t0, b.cos, b.sin, b.slots + t0, num_tokens, block_size, k_cache,
+                        v_cache);
       lap(sh.other_s);
       plan.run(attention_, shape, qkv, qkv_cols, k_cache, v_cache, attn, q_size);
       lap(sh.attention_s);
@@ -537,10 +543,13 @@ class FusedDecoder {
   }
 
   // Rotate-half RoPE of q and k in place, x * cos + roll(x, D/2) * signed_sin (two roundings
-  // per term, as apply_rope), then k and v of each token into its cache slot.
+  // per term, as apply_rope), then k and v of each token into its cache slot: per KV head, k
+  // as column slot % block_size of the K panel [D, block_size], v as row slot % block_size of
+  // the V panel [block_size, D] (see AttentionShape).
   void rope_and_write_kv(float* qkv, int64_t ld, const int64_t* positions, const float* cos, const float* sin,
-                         const int64_t* slots, int64_t num_tokens, float* k_cache, float* v_cache) const {
-    const int64_t d_len = head_dim_, half = head_dim_ / 2, kv_size = num_kv_heads_ * head_dim_;
+                         const int64_t* slots, int64_t num_tokens, int64_t block_size, float* k_cache,
+                         float* v_cache) const {
+    const int64_t d_len = head_dim_, half = head_dim_ / 2, panel = block_size * head_dim_;
     at::parallel_for(0, num_tokens, 32, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         float* row = qkv + t * ld;  // [q heads | k heads | v heads], each [D]
@@ -557,8 +566,14 @@ class FusedDecoder {
           }
         }
         const float* k = row + num_heads_ * d_len;  // [Hkv, D]
-        std::memcpy(k_cache + slots[t] * kv_size, k, sizeof(float) * kv_size);
-        std::memcpy(v_cache + slots[t] * kv_size, k + kv_size, sizeof(float) * kv_size);
+        const float* v = k + num_kv_heads_ * d_len;  // [Hkv, D]
+        const int64_t block = slots[t] / block_size, in_block = slots[t] % block_size;
+        for (int64_t h = 0; h < num_kv_heads_; ++h) {
+          float* k_panel = k_cache + (block * num_kv_heads_ + h) * panel + in_block;
+          for (int64_t d = 0; d < d_len; ++d) k_panel[d * block_size] = k[h * d_len + d];
+          std::memcpy(v_cache + (block * num_kv_heads_ + h) * panel + in_block * d_len, v + h * d_len,
+                      sizeof(float) * d_len);
+        }
       }
     });
   }
@@ -585,14 +600,19 @@ class FusedDecoder {
 };
 
 // Standalone paged attention (tests, benchmarks): q [T, H, D] -> out [T, H, D], the caches
-// already holding this step's K/V. Same kernels and tiling as the decoder step.
+// (K [blocks, Hkv, D, bs], V [blocks, Hkv, bs, D]: see AttentionShape) already holding this
+// step's K/V. Same kernels and tiling as the decoder step.
 torch::Tensor paged_attention_cpu(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                                   const torch::Tensor& query_start, double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "q [T, H, D], caches 4-D");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q [T, H, D], caches 4-D");
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(3);
+  TORCH_CHECK(k_cache.size(2) == head_dim && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && block_size > 0 &&
+                  v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == num_kv_heads &&
+                  v_cache.size(2) == block_size && v_cache.size(3) == head_dim,
+              "caches must be K [num_blocks, num_kv_heads, head_dim, block_size] and V [num_blocks, num_kv_heads, "
+              "block_size, head_dim] for q [T, H, head_dim]");
   fp32_data(q, q.numel(), "q");
   fp32_data(k_cache, k_cache.numel(), "k_cache");
   fp32_data(v_cache, v_cache.numel(), "v_cache");
@@ -600,7 +620,7 @@ torch::Tensor paged_attention_cpu(const torch::Tensor& q, const torch::Tensor& k
                       int64_data(seq_lens, "seq_lens"), int64_data(block_tables, "block_tables"),
                       block_tables.size(1)};
   TORCH_CHECK(query_start.numel() == meta.num_seqs + 1 && block_tables.size(0) == meta.num_seqs, "bad metadata");
-  const AttentionShape shape{num_kv_heads, head_dim, num_heads / num_kv_heads, k_cache.size(1),
+  const AttentionShape shape{num_kv_heads, head_dim, num_heads / num_kv_heads, block_size,
                              static_cast<float>(scale), window > 0 ? window : 0};
   AttentionPlan plan;
   plan.build(meta, shape, k_cache.size(0));

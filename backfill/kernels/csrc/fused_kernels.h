@@ -8,8 +8,13 @@
 
 namespace backfill {
 
-// Geometry of one layer's attention: KV cache [num_blocks, block_size, num_kv_heads, head_dim]
-// fp32, contiguous; query head h reads KV head h / group.
+// Geometry of one layer's attention; query head h reads KV head h / group. The caches (fp32,
+// contiguous) hold one panel of block_size x head_dim floats per block and KV head:
+//   K: [num_blocks, num_kv_heads, head_dim, block_size] (K^T per panel: a decode's scores read
+//      a register of consecutive keys for one d as it is, no transposition);
+//   V: [num_blocks, num_kv_heads, block_size, head_dim] (a key's V row, read as it is by P . V).
+// A panel is contiguous (a stream for the prefetchers), a block all of its panels.
+// CpuDecoder.kv_cache_shapes / kv_rows (cpu_decoder.py) give them from Python.
 struct AttentionShape {
   int64_t num_kv_heads;
   int64_t head_dim;

@@ -31,19 +31,12 @@ inline float hsum(vf v) {  // fixed left-to-right order
   for (int64_t i = 1; i < W; ++i) s += v[i];
   return s;
 }
-// Lane permutations i -> i ^ h for h = W/2, W/4, ..., 1, and the two-register shuffles of a
-// W x W transposition (constants: built at compile time).
+// Lane permutations i -> i ^ h for h = W/2, W/4, ..., 1 (constants: built at compile time).
 struct LaneMasks {
   int32_t swap[5][W];
-  int32_t low[5][W];   // stage h: row i (bit h clear) keeps its lanes without bit h, takes row i + h's
-  int32_t high[5][W];  // stage h: row i + h takes row i's lanes with bit h, keeps its own
-  constexpr LaneMasks() : swap{}, low{}, high{} {
+  constexpr LaneMasks() : swap{} {
     for (int64_t k = 0, h = W / 2; h >= 1; ++k, h /= 2)
-      for (int64_t i = 0; i < W; ++i) {
-        swap[k][i] = static_cast<int32_t>(i ^ h);
-        low[k][i] = static_cast<int32_t>(i & h ? W + i - h : i);
-        high[k][i] = static_cast<int32_t>(i & h ? W + i : i + h);
-      }
+      for (int64_t i = 0; i < W; ++i) swap[k][i] = static_cast<int32_t>(i ^ h);
   }
 };
 constexpr LaneMasks kLaneMasks{};
@@ -67,67 +60,6 @@ inline vi iota() {
   for (int64_t i = 0; i < W; ++i) v[i] = static_cast<int32_t>(i);
   return v;
 }
-// m[i][l] <- m[l][i]: log2(W) stages, stage K (H = W >> (K + 1)) swapping the off-diagonal
-// H x H blocks of every 2H x 2H block, one two-register shuffle per register. Templates and
-// constant indices only, so that m and the masks stay in registers.
-template <int64_t K>
-inline void transpose(vf* m) {
-  constexpr int64_t H = W >> (K + 1);
-  vi low, high;
-  __builtin_memcpy(&low, kLaneMasks.low[K], sizeof low);
-  __builtin_memcpy(&high, kLaneMasks.high[K], sizeof high);
-#pragma GCC unroll 16
-  for (int64_t p = 0; p < W / 2; ++p) {
-    const int64_t i = p / H * 2 * H + p % H;  // the rows with bit H clear
-    const vf a = m[i], b = m[i + H];
-    m[i] = __builtin_shuffle(a, b, low);
-    m[i + H] = __builtin_shuffle(a, b, high);
-  }
-  if constexpr (H > 1) transpose<K + 1>(m);
-}
-// The same transposition for W = 16: two stages of in-lane unpacks (32-bit, then 64-bit
-// interleaves of two rows) and two of 128-bit lane shuffles, where every stage of transpose<>
-// compiles to two-register full permutes (vpermt2ps); a decode's attention ran ~15% faster this
-// way on a Zen 5 EPYC (K/V in L3). Literal masks: GCC picks those instructions only for
-// constants it sees.
-inline void transpose_keys(vf* m) {
-#if BF_LANES == 16
-  constexpr vi lo_ps = {0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29};
-  constexpr vi hi_ps = {2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31};
-  constexpr vi lo_pd = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-  constexpr vi hi_pd = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-  constexpr vi even = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};  // 128-bit lanes a0 a2 b0 b2
-  constexpr vi odd = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};  // a1 a3 b1 b3
-  vf t[16], u[16];
-#pragma GCC unroll 8
-  for (int p = 0; p < 8; ++p) {
-    t[2 * p] = __builtin_shuffle(m[2 * p], m[2 * p + 1], lo_ps);
-    t[2 * p + 1] = __builtin_shuffle(m[2 * p], m[2 * p + 1], hi_ps);
-  }
-#pragma GCC unroll 4
-  for (int b = 0; b < 16; b += 4) {
-    u[b] = __builtin_shuffle(t[b], t[b + 2], lo_pd);
-    u[b + 1] = __builtin_shuffle(t[b], t[b + 2], hi_pd);
-    u[b + 2] = __builtin_shuffle(t[b + 1], t[b + 3], lo_pd);
-    u[b + 3] = __builtin_shuffle(t[b + 1], t[b + 3], hi_pd);
-  }
-#pragma GCC unroll 2
-  for (int b = 0; b < 16; b += 8)
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {
-      t[b + k] = __builtin_shuffle(u[b + k], u[b + 4 + k], even);
-      t[b + 4 + k] = __builtin_shuffle(u[b + k], u[b + 4 + k], odd);
-    }
-#pragma GCC unroll 8
-  for (int k = 0; k < 8; ++k) {
-    m[k] = __builtin_shuffle(t[k], t[8 + k], even);
-    m[8 + k] = __builtin_shuffle(t[k], t[8 + k], odd);
-  }
-#else
-  transpose<0>(m);
-#endif
-}
-
 // 1 / d to ~2 ulp: the ISA's estimate and one Newton step, a fraction of a division's cost
 inline vf reciprocal(vf d) {
   const vf r = rcp_estimate(d);
@@ -188,7 +120,7 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* y) {
 
 // Accumulator registers a register block may hold (AVX-512 has 32 vector registers, others 16).
 constexpr int64_t kAccRegs = W >= 16 ? 16 : 8;
-// Rows across lanes prefetch K/V rows this many keys ahead (keys across lanes: see attend_keys).
+// Rows across lanes prefetch K/V chunks this many keys ahead (keys across lanes: see attend_keys).
 constexpr int64_t kPrefetchKeys = 16;
 // Tiles of at most this many rows (query tokens x G: decodes, chunks of a token or two) put
 // keys across the lanes, larger ones rows. A speed choice only: both layouts run each row's
@@ -199,9 +131,8 @@ constexpr int64_t kKeyLaneRows = 8;
 constexpr int64_t KJ = W >= 16 ? 4 : 2;
 constexpr int64_t KJ1 = W >= 16 ? 8 : 4;
 constexpr int64_t RV = 4;
-// Keys across lanes: score blocks of KR rows x KV registers of keys; K^T is built one such
-// block of keys at a time ([D, KV * W] floats: small, so that it does not evict the tile's K/V
-// rows from L1).
+// Keys across lanes: score blocks of KR rows x KV registers of keys (read in place from the
+// cache's K panels, or from a [D, KV * W] copy where the block size is not a multiple of W).
 constexpr int64_t KR = 4;
 constexpr int64_t KV = 2;
 constexpr int64_t KB = KV * W;
@@ -213,15 +144,15 @@ inline int64_t padded_rows(int64_t rows) { return (rows + W - 1) / W * W; }
 int64_t attention_scratch(const AttentionShape& s, int64_t max_rows) {
   const int64_t rows = padded_rows(max_rows), d = s.head_dim;
   // O, folded O [rows, D] | max, sum, alpha, folded max, folded sum [rows] | Q [rows, D] |
-  // P [BK, rows] | K^T [D, KB] | lo, hi [rows] int32 | zeros [D]
-  return 2 * rows * d + 5 * rows + rows * d + BK * rows + d * KB + 2 * rows + d;
+  // P [BK, rows] | K^T [D, KB] | lo, hi [rows] int32 | zeros [D, block_size]
+  return 2 * rows * d + 5 * rows + rows * d + BK * rows + d * KB + 2 * rows + d * s.block_size;
 }
 
 // o[r][x0 : x0 + DV*W] += sum_j p[r, j] * v_rows[j][x0 : x0 + DV*W] for NR rows (p[r, j] at
 // p + r * p_row + j * p_key), over the tile's keys j in [j0, j1): the rows' slices of O stay in
 // registers over them, each V load feeds NR FMAs. Per output element one fma chain over the
-// keys in key order. ahead (null: none): rows of d_len floats to prefetch, ahead[j] (if not
-// null) beside key j.
+// keys in key order. ahead (null: none): runs of d_len floats to prefetch, ahead[2 j] and
+// ahead[2 j + 1] (those not null) beside key j.
 template <int64_t DV, int64_t NR>
 inline void pv_block(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t j0, int64_t j1,
                      int64_t x0, float* o, int64_t d_len, const float* const* ahead) {
@@ -229,8 +160,10 @@ inline void pv_block(const float* p, int64_t p_row, int64_t p_key, const float* 
   for (int64_t r = 0; r < NR; ++r)
     for (int64_t x = 0; x < DV; ++x) acc[r][x] = load(o + r * d_len + x0 + x * W);
   for (int64_t j = j0; j < j1; ++j) {
-    if (ahead != nullptr && ahead[j] != nullptr)
-      for (int64_t x = 0; x < d_len; x += 16) __builtin_prefetch(ahead[j] + x);
+    if (ahead != nullptr)
+      for (int64_t c = 2 * j; c < 2 * j + 2; ++c)
+        if (ahead[c] != nullptr)
+          for (int64_t x = 0; x < d_len; x += 16) __builtin_prefetch(ahead[c] + x);
     if (v_rows[j] == nullptr) continue;  // outside the tile's key range: p is 0 for every row
     vf v[DV];
     for (int64_t x = 0; x < DV; ++x) v[x] = load(v_rows[j] + x0 + x * W);
@@ -265,7 +198,7 @@ inline void pv_rows(const float* p, int64_t p_row, int64_t p_key, const float* c
 }
 
 // O[rows, D] += P . V over the tile's keys [j0, j1), D cut into slices of at most 8 registers;
-// the rows `ahead` of those keys are prefetched once, spread over the first block's keys.
+// the runs `ahead` are prefetched once, spread over the first block's keys.
 inline void accumulate_pv(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t j0,
                           int64_t j1, float* o, int64_t d_len, int64_t rows, const float* const* ahead = nullptr) {
   for (int64_t x0 = 0; x0 < d_len; x0 += 8 * W, ahead = nullptr) {
@@ -295,24 +228,26 @@ inline void accumulate_pv(const float* p, int64_t p_row, int64_t p_key, const fl
 // operation is lane-wise and IEEE (fma is exact-then-round, commutative in its factors), so
 // a row gets the same bits from both.
 
-// out[b * out_stride + v * W + l] = sum over d = 0 .. D - 1 of bcast[b][d] * vecs[d * vec_stride
-// + v * W + l] for NB broadcast rows x NVEC registers, each sum one fma chain in d order. The
-// scores of both layouts: rows across lanes broadcasts K rows against Q^T, keys across lanes
-// Q rows against K^T (a product's factor order never matters: fma is exact, then rounds).
+// out[b * out_stride + v * W + l] = sum over d = 0 .. D - 1 of bcast[b][d * b_stride] *
+// vecs[v][d * vec_stride + l] for NB broadcast rows x NVEC registers, each sum one fma chain in
+// d order. The scores of both layouts: rows across lanes broadcasts K elements (a key's, d apart
+// by the cache's block size) against Q^T, keys across lanes Q rows against K^T (read in place
+// from the cache, see attend_keys); a product's factor order never matters: fma is exact, then
+// rounds.
 template <int64_t NVEC, int64_t NB>
-inline void dot_block(const float* vecs, int64_t vec_stride, const float* const* bcast, int64_t d_len, float* out,
-                      int64_t out_stride) {
+inline void dot_block(const float* const* vecs, int64_t vec_stride, const float* const* bcast, int64_t b_stride,
+                      int64_t d_len, float* out, int64_t out_stride) {
   vf acc[NB][NVEC];
   for (int64_t b = 0; b < NB; ++b)
     for (int64_t v = 0; v < NVEC; ++v) acc[b][v] = vf{};
   for (int64_t d = 0; d < d_len; ++d) {
     vf vec[NVEC];
     for (int64_t v = 0; v < NVEC; ++v) {
-      vec[v] = load(vecs + d * vec_stride + v * W);
+      vec[v] = load(vecs[v] + d * vec_stride);
       asm("" : "+v"(vec[v]));  // one load per vector: GCC would fold it into every FMA (NB loads)
     }
     for (int64_t b = 0; b < NB; ++b) {
-      const vf x = splat(bcast[b][d]);
+      const vf x = splat(bcast[b][d * b_stride]);
       for (int64_t v = 0; v < NVEC; ++v) acc[b][v] = fmadd(x, vec[v], acc[b][v]);
     }
   }
@@ -322,21 +257,22 @@ inline void dot_block(const float* vecs, int64_t vec_stride, const float* const*
 
 // The same for the last n (1 <= n <= N) broadcast rows, as one block.
 template <int64_t NVEC, int64_t N>
-inline void dot_tail(const float* vecs, int64_t vec_stride, const float* const* bcast, int64_t d_len, float* out,
-                     int64_t out_stride, int64_t n) {
+inline void dot_tail(const float* const* vecs, int64_t vec_stride, const float* const* bcast, int64_t b_stride,
+                     int64_t d_len, float* out, int64_t out_stride, int64_t n) {
   if constexpr (N > 1) {
-    if (n < N) return dot_tail<NVEC, N - 1>(vecs, vec_stride, bcast, d_len, out, out_stride, n);
+    if (n < N) return dot_tail<NVEC, N - 1>(vecs, vec_stride, bcast, b_stride, d_len, out, out_stride, n);
   }
-  dot_block<NVEC, N>(vecs, vec_stride, bcast, d_len, out, out_stride);
+  dot_block<NVEC, N>(vecs, vec_stride, bcast, b_stride, d_len, out, out_stride);
 }
 
 // Keys across lanes: scores[r * BK + j] = Q'[r] . K[j] for every row and NVEC registers of keys
-// of K^T (kt: [D, KB]), KR rows a block.
+// (kt[v]: register v's keys for d = 0, the next d kt_stride floats on), KR rows a block.
 template <int64_t NVEC>
-inline void key_scores(const float* kt, const float* const* q_rows, int64_t rows, int64_t d_len, float* scores) {
+inline void key_scores(const float* const* kt, int64_t kt_stride, const float* const* q_rows, int64_t rows,
+                       int64_t d_len, float* scores) {
   int64_t r = 0;
-  for (; r + KR <= rows; r += KR) dot_block<NVEC, KR>(kt, KB, q_rows + r, d_len, scores + r * BK, BK);
-  if (r < rows) dot_tail<NVEC, KR>(kt, KB, q_rows + r, d_len, scores + r * BK, BK, rows - r);
+  for (; r + KR <= rows; r += KR) dot_block<NVEC, KR>(kt, kt_stride, q_rows + r, 1, d_len, scores + r * BK, BK);
+  if (r < rows) dot_tail<NVEC, KR>(kt, kt_stride, q_rows + r, 1, d_len, scores + r * BK, BK, rows - r);
 }
 
 // Everything one tile's key walk needs. Per row: the state of the current partition (acc,
@@ -357,33 +293,44 @@ struct TileState {
   float* folded_sum;    // [rows_pad]
   float* q_buf;         // scaled; keys across lanes: Q [rows, D]; rows across lanes: Q^T [D, rows_pad]
   float* probs;         // keys across lanes: [rows, BK]; rows across lanes: [BK, rows_pad]
-  float* kt;            // keys across lanes: K^T [D, KB] of one score block
+  float* kt;            // keys across lanes, a block size W does not divide: K^T [D, KB] of one score block
   int32_t* lo;          // [rows_pad] first key position each row sees
   int32_t* hi;          // [rows_pad] last
-  const float* zeros;   // [D]
+  const float* zeros;   // rows across lanes: [D, block_size], the K of a key no row sees
 };
 
-// k_rows[j] / v_rows[j] for j in [begin, end): key kb + j's K / V rows (zeros / null where no
-// row sees it, and so never read).
-void tile_rows(const TileState& st, int64_t kb, const int64_t* offsets, const float** k_rows, const float** v_rows,
+// Where the keys of a key tile and of the next one (j < 2 BK: position kb + j) sit in this
+// head's panels of the caches (see fused_kernels.h), in floats from a cache's start: k[j] is
+// the key's K element 0 (element d is d * block_size further on), v[j] its V row. The D floats
+// at v[j] in the K cache are the key's "chunk" of its K panel: a block's chunks tile its K panel
+// as its V rows tile its V panel (what the prefetches walk).
+struct KeyOffsets {
+  int64_t k[2 * BK];
+  int64_t v[2 * BK];
+};
+
+// k_rows[j] / v_rows[j] for j in [begin, end): key kb + j's K element 0 / V row (zeros / null
+// where no row sees it, and so never read).
+void tile_rows(const TileState& st, int64_t kb, const KeyOffsets& off, const float** k_rows, const float** v_rows,
                int64_t begin = 0, int64_t end = BK) {
   for (int64_t j = begin; j < end; ++j) {
     const int64_t p = kb + j;
     const bool seen = p >= st.first && p <= st.last;
-    k_rows[j] = seen ? st.k_cache + offsets[j] : st.zeros;
-    v_rows[j] = seen ? st.v_cache + offsets[j] : nullptr;
+    k_rows[j] = seen ? st.k_cache + off.k[j] : st.zeros;
+    v_rows[j] = seen ? st.v_cache + off.v[j] : nullptr;
   }
 }
 
-// K and V rows of keys kb + j, j in [begin, end), into the cache ahead of use.
+// The K and V chunks of keys kb + j, j in [begin, end), into the cache ahead of use.
 // NOTE: always_inline: as a function of its own GCC finds it pure (prefetches write nothing)
 // and, as it returns nothing, deletes every call.
-__attribute__((always_inline)) inline void prefetch_rows(const TileState& st, int64_t kb, const int64_t* offsets, int64_t begin, int64_t end) {
+__attribute__((always_inline)) inline void prefetch_keys(const TileState& st, int64_t kb, const KeyOffsets& off,
+                                                         int64_t begin, int64_t end) {
   for (int64_t j = begin; j < end && kb + j <= st.last; ++j)
     if (kb + j >= st.first)
       for (int64_t x = 0; x < st.d_len; x += 16) {
-        __builtin_prefetch(st.k_cache + offsets[j] + x);
-        __builtin_prefetch(st.v_cache + offsets[j] + x);
+        __builtin_prefetch(st.k_cache + off.v[j] + x);
+        __builtin_prefetch(st.v_cache + off.v[j] + x);
       }
 }
 
@@ -398,30 +345,36 @@ void rescale_rows(const TileState& st) {
   }
 }
 
-// Rows across lanes (prompt chunks): scores as K . Q^T (K rows read in place, Q transposed
-// once per tile), the online softmax W rows at a time.
-void attend_rows(const TileState& st, int64_t kb, const int64_t* offsets, const float** v_rows) {
-  const int64_t d_len = st.d_len, rows_pad = st.rows_pad;
+// Rows across lanes (prompt chunks): scores as K . Q^T (K elements broadcast from the cache,
+// Q transposed once per tile), the online softmax W rows at a time.
+void attend_rows(const TileState& st, int64_t kb, const KeyOffsets& off, const float** v_rows) {
+  const int64_t d_len = st.d_len, rows_pad = st.rows_pad, k_stride = st.s.block_size;
   const float* k_rows[BK];
-  tile_rows(st, kb, offsets, k_rows, v_rows);
-  // this tile's rows past the first few (prefetched by the tile before) and the next's first:
+  tile_rows(st, kb, off, k_rows, v_rows);
+  // this tile's keys past the first few (prefetched by the tile before) and the next's first:
   // prompt chunks are compute-bound, a short distance suffices
-  prefetch_rows(st, kb, offsets, kPrefetchKeys, BK + kPrefetchKeys);
+  prefetch_keys(st, kb, off, kPrefetchKeys, BK + kPrefetchKeys);
   // probs[j][r] = K[j] . Q'[r]: KJ keys x RV registers of rows a block (KJ1 keys when the tile
   // is one register of rows; the last 1 to 3 registers of rows as one block)
   if (rows_pad == W) {
-    for (int64_t j = 0; j < BK; j += KJ1) dot_block<1, KJ1>(st.q_buf, W, k_rows + j, d_len, st.probs + j * W, W);
+    const float* q_t[1] = {st.q_buf};
+    for (int64_t j = 0; j < BK; j += KJ1)
+      dot_block<1, KJ1>(q_t, W, k_rows + j, k_stride, d_len, st.probs + j * W, W);
   } else {
     for (int64_t j = 0; j < BK; j += KJ) {
       int64_t rb = 0;
-      for (; rb + RV * W <= rows_pad; rb += RV * W)
-        dot_block<RV, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, st.probs + j * rows_pad + rb, rows_pad);
+      const float* q_t[RV];
+      for (; rb + RV * W <= rows_pad; rb += RV * W) {
+        for (int64_t v = 0; v < RV; ++v) q_t[v] = st.q_buf + rb + v * W;
+        dot_block<RV, KJ>(q_t, rows_pad, k_rows + j, k_stride, d_len, st.probs + j * rows_pad + rb, rows_pad);
+      }
       static_assert(RV == 4, "the remainder below is 1 to 3 registers of rows");
+      for (int64_t v = 0; v < RV; ++v) q_t[v] = st.q_buf + rb + v * W;
       float* scores = st.probs + j * rows_pad + rb;
       switch ((rows_pad - rb) / W) {
-        case 3: dot_block<3, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, scores, rows_pad); break;
-        case 2: dot_block<2, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, scores, rows_pad); break;
-        case 1: dot_block<1, KJ>(st.q_buf + rb, rows_pad, k_rows + j, d_len, scores, rows_pad); break;
+        case 3: dot_block<3, KJ>(q_t, rows_pad, k_rows + j, k_stride, d_len, scores, rows_pad); break;
+        case 2: dot_block<2, KJ>(q_t, rows_pad, k_rows + j, k_stride, d_len, scores, rows_pad); break;
+        case 1: dot_block<1, KJ>(q_t, rows_pad, k_rows + j, k_stride, d_len, scores, rows_pad); break;
         default: break;
       }
     }
@@ -465,57 +418,64 @@ void attend_rows(const TileState& st, int64_t kb, const int64_t* offsets, const 
   accumulate_pv(st.probs, 1, rows_pad, v_rows, 0, BK, st.acc, d_len, st.rows);
 }
 
-// Keys across lanes (decodes): the key tile's K transposed (W x W blocks through registers)
-// into K^T a score block at a time, each row's scores as NV registers of keys, its softmax
-// row by row. Only the keys some row sees are worked on: the tile's [j0, j1) (a decode's last
-// key tile is mostly past its last key); the others' scores are masked, their P never read.
-void attend_keys(const TileState& st, int64_t kb, const int64_t* offsets, const float** v_rows) {
-  const int64_t d_len = st.d_len, rows = st.rows;
+// Keys across lanes (decodes): each row's scores as NV registers of keys, read in place from the
+// cache's K panels (K^T per block and head: a register of W keys of one block, for one d, is W
+// consecutive floats; a block size W does not divide goes through a K^T copy), its softmax row
+// by row. Only the keys some row sees are worked on: the tile's [j0, j1) (a decode's last key
+// tile is mostly past its last key); the others' scores are masked, their P never read.
+void attend_keys(const TileState& st, int64_t kb, const KeyOffsets& off, const float** v_rows) {
+  const int64_t d_len = st.d_len, rows = st.rows, block_size = st.s.block_size;
   const int64_t j0 = st.first > kb ? st.first - kb : 0;
   const int64_t j1 = st.last + 1 - kb < BK ? st.last + 1 - kb : BK;
-  // the K/V rows of the registers keys [j0, j1) fall in (the only ones read below)
   const float* k_rows[BK];
-  tile_rows(st, kb, offsets, k_rows, v_rows, j0 / W * W, (j1 + W - 1) / W * W);
-  // A decode reads each K/V row once: memory bounds it, and prefetches spread over the work
-  // keep it busy. V rows go ahead beside the K loads of the same keys, the next key tile's K
-  // rows beside P . V (those beside keys outside [j0, j1) here). Null: there is no next tile.
-  const float* next_k_rows[BK];
-  const float* const* next_k = kb + BK <= st.last ? next_k_rows : nullptr;
-  if (next_k != nullptr)
+  tile_rows(st, kb, off, k_rows, v_rows, j0, j1);
+  // A decode reads each K/V element once: memory bounds it, and prefetches spread over the work
+  // keep it busy. The next key tile's K and V chunks go ahead beside P . V (those beside keys
+  // outside [j0, j1) here). Null: there is no next tile.
+  const float* next_chunks[2 * BK];
+  const float* const* next = kb + BK <= st.last ? next_chunks : nullptr;
+  if (next != nullptr)
     for (int64_t j = 0; j < BK; ++j) {
       const int64_t p = kb + BK + j;
-      next_k_rows[j] = p >= st.first && p <= st.last ? st.k_cache + offsets[BK + j] : nullptr;
-      if ((j < j0 || j >= j1) && next_k_rows[j] != nullptr)
-        for (int64_t x = 0; x < d_len; x += 16) __builtin_prefetch(next_k_rows[j] + x);
+      const bool seen = p >= st.first && p <= st.last;
+      next_chunks[2 * j] = seen ? st.k_cache + off.v[BK + j] : nullptr;
+      next_chunks[2 * j + 1] = seen ? st.v_cache + off.v[BK + j] : nullptr;
+      if ((j < j0 || j >= j1) && seen)
+        for (int64_t x = 0; x < d_len; x += 16) {
+          __builtin_prefetch(next_chunks[2 * j] + x);
+          __builtin_prefetch(next_chunks[2 * j + 1] + x);
+        }
     }
   const float* q_rows[kKeyLaneRows];
   for (int64_t r = 0; r < rows; ++r) q_rows[r] = st.q_buf + r * d_len;
+  const bool in_place = block_size % W == 0;  // a register's keys then lie in one block, in order
   for (int64_t jb0 = j0 / KB * KB; jb0 < j1; jb0 += KB) {
     // the block's registers of keys some row sees: [c0, c1) (the scores of the others are
     // masked to -inf below whatever they hold, so they need not be computed: the bits are the same)
     const int64_t c0 = jb0 < j0 ? (j0 - jb0) / W : 0;
     const int64_t c1 = jb0 + KB > j1 ? (j1 - jb0 + W - 1) / W : KV;
-    for (int64_t jb = jb0 + c0 * W; jb < jb0 + c1 * W; jb += W)
-      for (int64_t d0 = 0; d0 < d_len; d0 += W) {
-        vf m[W];  // keys jb .. jb + W - 1, dims d0 .. d0 + W - 1; then transposed
-#pragma GCC unroll 16
-        for (int64_t i = 0; i < W; ++i) {
-          m[i] = load(k_rows[jb + i] + d0);
-          if (d0 % 16 == 0 && v_rows[jb + i] != nullptr) __builtin_prefetch(v_rows[jb + i] + d0);
-        }
-        transpose_keys(m);
-#pragma GCC unroll 16
-        for (int64_t i = 0; i < W; ++i) store(st.kt + (d0 + i) * KB + jb - jb0, m[i]);
+    const float* kt[KV];
+    int64_t kt_stride = block_size;
+    if (in_place) {
+      // register c: keys jb0 + c W .. + W - 1 from the first one's element d on (the first is
+      // at or before a seen key, so its offset is set; unseen keys' lanes are masked)
+      for (int64_t c = c0; c < c1; ++c) kt[c - c0] = st.k_cache + off.k[jb0 + c * W];
+    } else {
+      for (int64_t jb = jb0 + c0 * W; jb < jb0 + c1 * W; ++jb) {
+        const bool seen = jb >= j0 && jb < j1;
+        for (int64_t d = 0; d < d_len; ++d) st.kt[d * KB + jb - jb0] = seen ? k_rows[jb][d * block_size] : 0.0f;
       }
+      for (int64_t c = c0; c < c1; ++c) kt[c - c0] = st.kt + c * W;
+      kt_stride = KB;
+    }
     // probs[r][j] = Q'[r] . K[j]: KR rows x KV registers of keys a block (one register where
     // only one is seen)
-    const float* kt = st.kt + c0 * W;
     float* scores = st.probs + jb0 + c0 * W;
     static_assert(KV == 2, "a score block is one or two registers of keys");
     if (c1 - c0 == KV)
-      key_scores<KV>(kt, q_rows, rows, d_len, scores);
+      key_scores<KV>(kt, kt_stride, q_rows, rows, d_len, scores);
     else
-      key_scores<1>(kt, q_rows, rows, d_len, scores);
+      key_scores<1>(kt, kt_stride, q_rows, rows, d_len, scores);
   }
   // mask by position, then the online-softmax update, over the registers of seen keys
   // [v0, v1): the others' p are 0 and would add nothing (x + 0 is x: p is never -0)
@@ -548,7 +508,7 @@ void attend_keys(const TileState& st, int64_t kb, const int64_t* offsets, const 
     st.alpha[r] = alpha;
   }
   rescale_rows(st);
-  accumulate_pv(st.probs, BK, 1, v_rows, j0, j1, st.acc, d_len, rows, next_k);
+  accumulate_pv(st.probs, BK, 1, v_rows, j0, j1, st.acc, d_len, rows, next);
 }
 
 // Folds a row's state over one partition (max m, sum s, unnormalized output o [D]) into its
@@ -642,45 +602,41 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
       for (int64_t d = 0; d < d_len; ++d) q_buf[d * rows_pad + r] = 0.0f;
   }
   for (int64_t x = 0; x < rows * d_len; ++x) acc[x] = 0.0f;
-  for (int64_t d = 0; d < d_len; ++d) zeros[d] = 0.0f;
+  if (!keys_across)
+    for (int64_t x = 0; x < d_len * s.block_size; ++x) zeros[x] = 0.0f;
 
-  const int64_t kv_stride = s.num_kv_heads * d_len;  // floats from one token to the next
   const float* v_rows[BK];
-  // offsets[j]: floats from the cache start to this head's row of position kb + j, for this
-  // key tile and the next (the next's carried over to the following tile; a block's rows are
-  // kv_stride apart: one block-table read per block, no division per key)
-  int64_t offsets[2 * BK];
-  const int64_t kb_first = first / BK * BK, head_offset = t.kv_head * d_len;
-  int64_t num_known = 0;  // offsets[0 : num_known) are this tile's already
+  // Where this key tile's keys and the next's sit (the next's carried over to the following
+  // tile): one block-table read per block, no division per key.
+  KeyOffsets off;
+  const int64_t kb_first = first / BK * BK, panel_floats = d_len * s.block_size;
+  int64_t num_known = 0;  // off[0 : num_known) are this tile's already
   for (int64_t kb = kb_first; kb <= last; kb += BK) {
     if (kb % PK == 0 && kb != kb_first) end_partition(st);
     const int64_t end = last + 1 - kb < 2 * BK ? last + 1 - kb : 2 * BK;
-    if (num_known > 0) __builtin_memcpy(offsets, offsets + BK, static_cast<size_t>(num_known) * sizeof(int64_t));
+    if (num_known > 0) {
+      __builtin_memcpy(off.k, off.k + BK, static_cast<size_t>(num_known) * sizeof(int64_t));
+      __builtin_memcpy(off.v, off.v + BK, static_cast<size_t>(num_known) * sizeof(int64_t));
+    }
     if (num_known < end) {
       int64_t block = (kb + num_known) / s.block_size, in_block = (kb + num_known) % s.block_size;
-      int64_t row = (t.block_table[block] * s.block_size + in_block) * kv_stride + head_offset;
-      for (int64_t j = num_known; j < end; ++j, row += kv_stride) {
-        offsets[j] = row;
+      int64_t panel = (t.block_table[block] * s.num_kv_heads + t.kv_head) * panel_floats;
+      for (int64_t j = num_known; j < end; ++j) {
+        off.k[j] = panel + in_block;
+        off.v[j] = panel + in_block * d_len;
         if (++in_block == s.block_size && j + 1 < end) {
           in_block = 0;
-          row = t.block_table[++block] * s.block_size * kv_stride + head_offset - kv_stride;
+          panel = (t.block_table[++block] * s.num_kv_heads + t.kv_head) * panel_floats;
         }
       }
     }
     num_known = end - BK;  // the next tile's, if any (this tile's keys reach past kb + BK then)
-    if (kb == kb_first) {  // the first rows (keys across lanes: the first key tile's K rows)
-      if (keys_across) {
-        for (int64_t j = 0; j < BK && kb + j <= last; ++j)
-          if (kb + j >= first)
-            for (int64_t x = 0; x < d_len; x += 16) __builtin_prefetch(k_cache + offsets[j] + x);
-      } else {
-        prefetch_rows(st, kb, offsets, 0, kPrefetchKeys);
-      }
-    }
+    if (kb == kb_first)  // the first keys (keys across lanes: the whole first key tile)
+      prefetch_keys(st, kb, off, 0, keys_across ? BK : kPrefetchKeys);
     if (keys_across)
-      attend_keys(st, kb, offsets, v_rows);
+      attend_keys(st, kb, off, v_rows);
     else
-      attend_rows(st, kb, offsets, v_rows);
+      attend_rows(st, kb, off, v_rows);
   }
 
   if (t.partial != nullptr) {  // one partition of a cut tile: attention_combine folds it
