@@ -543,7 +543,7 @@ void end_partition(const TileState& st) {
   for (int64_t r = 0; r < st.rows; ++r)
     fold_row(st.row_max[r], st.row_sum[r], st.acc + r * st.d_len, st.folded_max + r, st.folded_sum + r,
              st.folded_acc + r * st.d_len, st.d_len);
-  for (int64_t r = 0; r < st.rows_pad; ++r) {
+  for (int64_t r = 0; r < (st.rows <= kKeyLaneRows ? st.rows : st.rows_pad); ++r) {
     st.row_max[r] = kNegInf;
     st.row_sum[r] = 0.0f;
   }
@@ -589,17 +589,19 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
         for (int64_t d = 0; d < d_len; ++d) q_buf[d * rows_pad + r] = src[g * d_len + d] * s.scale;
     }
   }
-  for (int64_t r = 0; r < rows_pad; ++r) {
+  // keys across lanes read the rows' state row by row, rows across lanes W rows at a time
+  const int64_t state_rows = keys_across ? rows : rows_pad;
+  for (int64_t r = 0, q_pos_all = t.pos, g = 0; r < state_rows; ++r) {  // q_pos_all = pos + r / group
     row_max[r] = folded_max[r] = kNegInf;
     row_sum[r] = folded_sum[r] = 0.0f;
     // the row sees [lo, hi] of the visited keys: its causal (and windowed) reach, narrowed to
     // the tile's key range (only a partition tile's is narrower); padded rows: an empty range
-    const int64_t q_pos_all = t.pos + r / group;
     const int64_t q_pos = r < rows ? (q_pos_all < last ? q_pos_all : last) : -1;
     lo[r] = static_cast<int32_t>(s.window > 0 && q_pos_all - s.window + 1 > first ? q_pos_all - s.window + 1 : first);
     hi[r] = static_cast<int32_t>(q_pos);
     if (!keys_across && r >= rows)
       for (int64_t d = 0; d < d_len; ++d) q_buf[d * rows_pad + r] = 0.0f;
+    if (++g == group) g = 0, ++q_pos_all;
   }
   for (int64_t x = 0; x < rows * d_len; ++x) acc[x] = 0.0f;
   if (!keys_across)
