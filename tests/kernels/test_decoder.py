@@ -377,6 +377,15 @@ def test_drops_into_the_model_runner() -> None:
     from backfill.sampling_params import SamplingParams
 
     llm = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, seed=0)
+    runner = llm.engine.runner
+    assert isinstance(runner.model, CpuDecoder)
+    # the runner allocates the decoder's own layout: K [blocks, Hkv, D, bs], V [blocks, Hkv, bs, D]
+    num_blocks, config = runner.kv_caches[0][0].shape[0], runner.model.config
+    assert runner.model.kv_cache_shapes(num_blocks, runner.block_size) == (
+        (num_blocks, config.num_kv_heads, config.head_dim, runner.block_size),
+        (num_blocks, config.num_kv_heads, runner.block_size, config.head_dim))
+    for k_cache, v_cache in runner.kv_caches:
+        assert (tuple(k_cache.shape), tuple(v_cache.shape)) == runner.model.kv_cache_shapes(num_blocks, runner.block_size)
     prompts = ["The capital of France is", "def add(a, b):"]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     expected = [o.token_ids for o in llm.generate(prompts, params)]
