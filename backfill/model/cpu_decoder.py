@@ -179,6 +179,12 @@ class CpuDecoder:
         each (views, for tests and tools)."""
         return k_cache.permute(0, 3, 1, 2), v_cache.permute(0, 2, 1, 3)
 
+    @staticmethod
+    def kv_panels(k_rows: Tensor, v_rows: Tensor) -> tuple[Tensor, Tensor]:
+        """kv_rows' inverse: caches laid out as LlamaForCausalLM's, [num_blocks, block_size,
+        Hkv, D] each, as contiguous copies in this decoder's layout (tests, benchmarks)."""
+        return k_rows.permute(0, 2, 3, 1).contiguous(), v_rows.permute(0, 2, 1, 3).contiguous()
+
     def make_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[Tensor, Tensor]]:
         """Zeroed per-layer (k_cache, v_cache) pairs, fp32, shaped as kv_cache_shapes says."""
         k_shape, v_shape = self.kv_cache_shapes(num_blocks, block_size)

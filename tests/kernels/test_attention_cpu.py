@@ -14,6 +14,7 @@ import torch
 
 from backfill import kernels
 from backfill.model.attention import naive_attention, write_kv
+from backfill.model.cpu_decoder import CpuDecoder
 from tests.model.test_attention import CASES, make_step
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="CPU kernels extension unavailable")
@@ -43,7 +44,7 @@ def fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, w
     V [blocks, Hkv, bs, D])."""
     ext = kernels.extension()
     scale = q.shape[-1] ** -0.5
-    k_panels, v_panels = k_cache.permute(0, 2, 3, 1).contiguous(), v_cache.permute(0, 2, 1, 3).contiguous()
+    k_panels, v_panels = CpuDecoder.kv_panels(k_cache, v_cache)
     return ext.paged_attention(q, k_panels, v_panels, meta.block_tables, meta.seq_lens, meta.query_start, scale,
                                window or 0)  # [T, H, D]
 

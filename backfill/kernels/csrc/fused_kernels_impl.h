@@ -142,6 +142,9 @@ static_assert(NV % KV == 0, "a key tile is whole key blocks");
 constexpr int64_t PK = kAttentionPartitionKeys;
 
 inline int64_t padded_rows(int64_t rows) { return (rows + W - 1) / W * W; }
+// The rows whose softmax state a tile keeps: keys across lanes read it row by row, rows across
+// lanes W rows at a time (the padding rows too).
+inline int64_t state_rows(int64_t rows) { return rows <= kKeyLaneRows ? rows : padded_rows(rows); }
 
 int64_t attention_scratch(const AttentionShape& s, int64_t max_rows) {
   const int64_t rows = padded_rows(max_rows), d = s.head_dim;
@@ -311,14 +314,14 @@ struct KeyOffsets {
   int64_t v[2 * BK];
 };
 
-// k_rows[j] / v_rows[j] for j in [begin, end): key kb + j's K element 0 / V row (zeros / null
-// where no row sees it, and so never read).
+// k_rows[j] (unless k_rows is null) / v_rows[j] for j in [begin, end): key kb + j's K element 0
+// / V row (zeros / null where no row sees it, and so never read).
 void tile_rows(const TileState& st, int64_t kb, const KeyOffsets& off, const float** k_rows, const float** v_rows,
                int64_t begin = 0, int64_t end = BK) {
   for (int64_t j = begin; j < end; ++j) {
     const int64_t p = kb + j;
     const bool seen = p >= st.first && p <= st.last;
-    k_rows[j] = seen ? st.k_cache + off.k[j] : st.zeros;
+    if (k_rows != nullptr) k_rows[j] = seen ? st.k_cache + off.k[j] : st.zeros;
     v_rows[j] = seen ? st.v_cache + off.v[j] : nullptr;
   }
 }
@@ -429,28 +432,26 @@ void attend_keys(const TileState& st, int64_t kb, const KeyOffsets& off, const f
   const int64_t d_len = st.d_len, rows = st.rows, block_size = st.s.block_size;
   const int64_t j0 = st.first > kb ? st.first - kb : 0;
   const int64_t j1 = st.last + 1 - kb < BK ? st.last + 1 - kb : BK;
-  const float* k_rows[BK];
-  tile_rows(st, kb, off, k_rows, v_rows, j0, j1);
+  const bool in_place = block_size % W == 0;  // a register's keys then lie in one block, in order
+  const float* k_rows[BK];  // read only by the K^T copy
+  tile_rows(st, kb, off, in_place ? nullptr : k_rows, v_rows, j0, j1);
   // A decode reads each K/V element once: memory bounds it, and prefetches spread over the work
   // keep it busy. The next key tile's K and V chunks go ahead beside P . V (those beside keys
   // outside [j0, j1) here). Null: there is no next tile.
   const float* next_chunks[2 * BK];
   const float* const* next = kb + BK <= st.last ? next_chunks : nullptr;
-  if (next != nullptr)
+  if (next != nullptr) {
     for (int64_t j = 0; j < BK; ++j) {
       const int64_t p = kb + BK + j;
       const bool seen = p >= st.first && p <= st.last;
       next_chunks[2 * j] = seen ? st.k_cache + off.v[BK + j] : nullptr;
       next_chunks[2 * j + 1] = seen ? st.v_cache + off.v[BK + j] : nullptr;
-      if ((j < j0 || j >= j1) && seen)
-        for (int64_t x = 0; x < d_len; x += 16) {
-          __builtin_prefetch(next_chunks[2 * j] + x);
-          __builtin_prefetch(next_chunks[2 * j + 1] + x);
-        }
     }
+    prefetch_keys(st, kb, off, BK, BK + j0);
+    prefetch_keys(st, kb, off, BK + j1, 2 * BK);
+  }
   const float* q_rows[kKeyLaneRows];
   for (int64_t r = 0; r < rows; ++r) q_rows[r] = st.q_buf + r * d_len;
-  const bool in_place = block_size % W == 0;  // a register's keys then lie in one block, in order
   for (int64_t jb0 = j0 / KB * KB; jb0 < j1; jb0 += KB) {
     // the block's registers of keys some row sees: [c0, c1) (the scores of the others are
     // masked to -inf below whatever they hold, so they need not be computed: the bits are the same)
@@ -546,7 +547,7 @@ void end_partition(const TileState& st) {
   for (int64_t r = 0; r < st.rows; ++r)
     fold_row(st.row_max[r], st.row_sum[r], st.acc + r * st.d_len, st.folded_max + r, st.folded_sum + r,
              st.folded_acc + r * st.d_len, st.d_len);
-  for (int64_t r = 0; r < (st.rows <= kKeyLaneRows ? st.rows : st.rows_pad); ++r) {
+  for (int64_t r = 0; r < state_rows(st.rows); ++r) {
     st.row_max[r] = kNegInf;
     st.row_sum[r] = 0.0f;
   }
@@ -592,9 +593,7 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
         for (int64_t d = 0; d < d_len; ++d) q_buf[d * rows_pad + r] = src[g * d_len + d] * s.scale;
     }
   }
-  // keys across lanes read the rows' state row by row, rows across lanes W rows at a time
-  const int64_t state_rows = keys_across ? rows : rows_pad;
-  for (int64_t r = 0, q_pos_all = t.pos, g = 0; r < state_rows; ++r) {  // q_pos_all = pos + r / group
+  for (int64_t r = 0, q_pos_all = t.pos, g = 0; r < state_rows(rows); ++r) {  // q_pos_all = pos + r / group
     row_max[r] = folded_max[r] = kNegInf;
     row_sum[r] = folded_sum[r] = 0.0f;
     // the row sees [lo, hi] of the visited keys: its causal (and windowed) reach, narrowed to
