@@ -180,6 +180,28 @@ def test_isas_are_bit_identical(name: str, restore_isa: None) -> None:
         assert all(torch.equal(a, b) for a, b in zip(ys, first)), isa
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_nibble_types_agree_on_tiny_x(name: str, restore_isa: None) -> None:
+    """The 4-bit types read column k's code as q 2^4c and scale x[k] by 2^-4c (packed.h:
+    nibble_x_scale): exact for normal x, and where x[k] 2^-4c leaves fp32's normal range (|x| <
+    2^-102) every ISA and every path (fused, halves, panels) rounds it alike."""
+    qtype, n, k, _, packed = packed_case(name, seed=3)
+    x = torch.randn(33, k, generator=torch.Generator().manual_seed(4))
+    x[0] *= 1e-32  # whole rows this small: x 2^-20 and x 2^-24 are subnormal, and their products
+    x[3] *= 1e-34  # are the rows' whole sums (no larger term to hide the bits they lost)
+    x[5:, 6::8] = 3e-38  # c = 6 in rows among normal ones
+    results = {}
+    for isa in ISAS:
+        if ext.set_isa(isa):
+            full = ext.qlinear(x, packed, qtype, n, k)
+            results[isa] = full
+            for m in (1, 5, 20):
+                assert torch.equal(ext.qlinear(x[:m], packed, qtype, n, k), full[:m]), (isa, m)
+    first = next(iter(results.values()))
+    for isa, y in results.items():
+        assert torch.equal(y, first), isa
+
+
 @pytest.mark.parametrize("name", ["F32", "Q4_1", "Q8_0", "Q4_K"])
 def test_thread_count_invariance(name: str) -> None:
     qtype = TYPES[name]

@@ -10,17 +10,20 @@
 //   packed = [tile 0][tile 1]...            tile = [block 0][block 1]...[block K/bs - 1]
 //   tile block, by type (offsets in bytes; "[16] h" = 16 fp16 halves, one per row r;
 //   "group g" = 16 bytes, byte r belongs to row r):
-//   Q4_0  288 B  d[16] h @0 | qs: 16 groups @32, group g byte r = q[r][2g] | q[r][2g+1] << 4
-//   Q4_1  320 B  d[16] h @0 | m[16] h @32 | qs: 16 groups @64 (as Q4_0)
+//   Q4_0  288 B  d[16] h @0 | qs: 4 words @32 (nibble words, below)
+//   Q4_1  320 B  d[16] h @0 | m[16] h @32 | qs: 4 words @64 (nibble words)
 //   Q8_0  544 B  d[16] h @0 | qs: 32 groups @32, group k byte r = q[r][k] (int8)
 //   Q4_K 2304 B  d[16] h @0 | dmin[16] h @32 | scales: 12 groups @64, group j byte r = the raw
 //                scales[j] of row r (6-bit sc/m still packed as ggml packs them) |
-//                qs: 128 groups @256, group g byte r = q[r][2g] | q[r][2g+1] << 4
+//                qs: 32 words @256 (nibble words)
 //   Q6_K 3360 B  d[16] h @0 | scales: 16 groups @32 (int8, one per 16 elements) |
 //                ql: 128 groups @288, byte r = lo4(q[r][2g]) | lo4(q[r][2g+1]) << 4 |
 //                qh: 64 groups @2336, byte r = sum_i hi2(q[r][4h + i]) << 2i   (q 6-bit, 0..63)
 //   F16     32 B per k: [16] h (tile = [K][16] fp16)    F32  64 B per k (tile = [K][16] fp32)
 // q[r][k] is the element's integer code (k within the block), exactly as ggml defines it.
+// Nibble words (the 4-bit types): a "word" w = 64 bytes, 16 little-endian uint32, the one of row r
+// holding its codes of columns 8w .. 8w + 7, column 8w + c in bits 4c .. 4c + 3. One plain load
+// gives 8 columns of the 16 rows; a kernel takes column c out with one and (see nibble_x_scale).
 //
 // Bits per weight: Q4_0 4.5, Q4_1 5, Q8_0 8.5, Q4_K 4.5, Q6_K 6.5625, F16 16, F32 32 (the file's).
 #pragma once
@@ -45,6 +48,22 @@ constexpr int64_t kQ8_0Qs = 32;
 constexpr int64_t kQ4_KDmin = 32, kQ4_KScales = 64, kQ4_KQs = 256;
 constexpr int64_t kQ6_KScales = 32, kQ6_KQl = 288, kQ6_KQh = 2336;
 }  // namespace tile_off
+
+// The nibble-word types (Q4_0, Q4_1, Q4_K) and how their kernels scale: column k's code is read
+// in place, as float(q << 4c) = q 2^4c for c = k % 8 in 1 .. 6 (an and, no shift; c = 0 and 7 are
+// read as q), and x[k] is scaled by 2^-4c to match (x packed for the kernels, or the scalar
+// kernel's product). A power of two: x[k] 2^-4c times q 2^4c is x[k] q exactly, the same FMA,
+// unless x[k] 2^-4c falls below fp32's normal range (|x[k]| < 2^-102), where it loses bits the
+// same way on every path.
+inline bool nibble_words(QType t) { return t == QType::Q4_0 || t == QType::Q4_1 || t == QType::Q4_K; }
+inline float nibble_x_scale(int64_t k) {
+  constexpr float kScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+  return kScale[k % 8];
+}
+inline float nibble_code_scale(int64_t k) {
+  constexpr float kScale[8] = {1.0f, 0x1p4f, 0x1p8f, 0x1p12f, 0x1p16f, 0x1p20f, 0x1p24f, 1.0f};
+  return kScale[k % 8];
+}
 
 // X_b of the factored sums below: the sum of a block's qb (32 or 16) values x[0 .. qb - 1] as a
 // fixed tree over 16 lanes: s[l] = x[l] + x[l + 16] (32 columns) or x[l] (16), then lanes l and

@@ -53,6 +53,13 @@ AI VI vi_load_s8(const uint8_t* p) {
   return VI{_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
             _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
 }
+AI VI vi_load_u32(const uint8_t* p) {
+  return VI{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+AI VI vi_and_bcast(VI a, const uint32_t* m) {
+  const __m256i mm = _mm256_set1_epi32(static_cast<int>(*m));
+  return VI{_mm256_and_si256(a.lo, mm), _mm256_and_si256(a.hi, mm)};
+}
 AI VI vi_and(VI a, int m) {
   const __m256i mm = _mm256_set1_epi32(m);
   return VI{_mm256_and_si256(a.lo, mm), _mm256_and_si256(a.hi, mm)};
@@ -67,7 +74,6 @@ AI VI vi_or_and(VI a, VI b, int m) {
 }
 AI VF vi_to_f(VI a) { return VF{_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 AI VF vf_nib_lo(VI a) { return vi_to_f(vi_and(a, 0xF)); }
-AI VF vf_nib_hi(VI a) { return vi_to_f(vi_srl<4>(a)); }
 
 // block_sum's order (packed.h): lanes l + (l + 8), then + (l + 4), + (l + 2), + (l + 1).
 AI float vf_block_tree(VF a) {

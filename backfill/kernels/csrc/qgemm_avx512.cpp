@@ -37,6 +37,8 @@ AI VI vi_load_u8(const uint8_t* p) {
 AI VI vi_load_s8(const uint8_t* p) {
   return VI{_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
 }
+AI VI vi_load_u32(const uint8_t* p) { return VI{_mm512_loadu_si512(p)}; }
+AI VI vi_and_bcast(VI a, const uint32_t* m) { return VI{_mm512_and_si512(a.v, _mm512_set1_epi32(static_cast<int>(*m)))}; }
 AI VI vi_and(VI a, int m) { return VI{_mm512_and_si512(a.v, _mm512_set1_epi32(m))}; }
 template <int S>
 AI VI vi_srl(VI a) { return VI{_mm512_srli_epi32(a.v, S)}; }
@@ -51,7 +53,6 @@ AI VF vf_nib_lo(VI a) {
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   return VF{_mm512_permutexvar_ps(a.v, table)};
 }
-AI VF vf_nib_hi(VI a) { return vi_to_f(vi_srl<4>(a)); }
 
 // block_sum's order (packed.h): lanes l + (l + 8), then + (l + 4), + (l + 2), + (l + 1).
 AI float vf_block_tree(VF a) {

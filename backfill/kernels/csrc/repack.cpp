@@ -112,20 +112,26 @@ void raw_put_codes(QType t, const uint8_t* q, uint8_t* b) {
   }
 }
 
-// Where the codes of tile row r go in a tile block (packed.h): nibble pairs, bytes, 2-bit quads.
+// Where the codes of tile row r go in a tile block (packed.h): nibble words, nibble pairs (Q6_K's
+// low bits), bytes, 2-bit quads.
 void tile_put_codes(QType t, const uint8_t* q, uint8_t* tb, int r) {
   auto put_nibbles = [&](int64_t off, int n, uint8_t mask) {
     for (int g = 0; g < n / 2; ++g)
       tb[off + 16 * g + r] = static_cast<uint8_t>((q[2 * g] & mask) | (q[2 * g + 1] & mask) << 4);
   };
+  // nibble words: row r's uint32 of word w, byte j = columns 8w + 2j (low) and 8w + 2j + 1
+  auto put_words = [&](int64_t off, int n) {
+    for (int k = 0; k < n; k += 2)
+      tb[off + 64 * (k / 8) + 4 * r + (k % 8) / 2] = static_cast<uint8_t>((q[k] & 0xF) | (q[k + 1] & 0xF) << 4);
+  };
   switch (t) {
     case QType::F32: case QType::F16: break;
-    case QType::Q4_0: put_nibbles(tile_off::kQ4_0Qs, QK, 0xF); break;
-    case QType::Q4_1: put_nibbles(tile_off::kQ4_1Qs, QK, 0xF); break;
+    case QType::Q4_0: put_words(tile_off::kQ4_0Qs, QK); break;
+    case QType::Q4_1: put_words(tile_off::kQ4_1Qs, QK); break;
     case QType::Q8_0:
       for (int k = 0; k < QK; ++k) tb[tile_off::kQ8_0Qs + 16 * k + r] = q[k];
       break;
-    case QType::Q4_K: put_nibbles(tile_off::kQ4_KQs, QK_K, 0xF); break;
+    case QType::Q4_K: put_words(tile_off::kQ4_KQs, QK_K); break;
     case QType::Q6_K:
       put_nibbles(tile_off::kQ6_KQl, QK_K, 0xF);
       for (int h = 0; h < QK_K / 4; ++h) {
@@ -145,14 +151,21 @@ void tile_codes(QType t, const uint8_t* tb, int r, uint8_t* q) {
       q[2 * g + 1] = v >> 4;
     }
   };
+  auto get_words = [&](int64_t off, int n) {
+    for (int k = 0; k < n; k += 2) {
+      const uint8_t v = tb[off + 64 * (k / 8) + 4 * r + (k % 8) / 2];
+      q[k] = v & 0xF;
+      q[k + 1] = v >> 4;
+    }
+  };
   switch (t) {
     case QType::F32: case QType::F16: break;
-    case QType::Q4_0: get_nibbles(tile_off::kQ4_0Qs, QK); break;
-    case QType::Q4_1: get_nibbles(tile_off::kQ4_1Qs, QK); break;
+    case QType::Q4_0: get_words(tile_off::kQ4_0Qs, QK); break;
+    case QType::Q4_1: get_words(tile_off::kQ4_1Qs, QK); break;
     case QType::Q8_0:
       for (int k = 0; k < QK; ++k) q[k] = tb[tile_off::kQ8_0Qs + 16 * k + r];
       break;
-    case QType::Q4_K: get_nibbles(tile_off::kQ4_KQs, QK_K); break;
+    case QType::Q4_K: get_words(tile_off::kQ4_KQs, QK_K); break;
     case QType::Q6_K:
       get_nibbles(tile_off::kQ6_KQl, QK_K);
       for (int h = 0; h < QK_K / 4; ++h) {
@@ -214,7 +227,7 @@ void unpack_row(const PackedMatrix& w, int64_t row, uint8_t* raw_row) {
 // y = fma(S, d, y), y = fma(X, m, y) (fmaf is correctly rounded, as the SIMD FMAs are).
 void packed_gemm_scalar(const TileJob& job) {
   const int64_t K = job.cols, qb = factored_block_elems(job.type), nb = qb > 0 ? K / qb : 0;
-  const bool has_min = job.type != QType::Q8_0;
+  const bool has_min = job.type != QType::Q8_0, words = nibble_words(job.type);
   const PackedMatrix w{job.w, job.type, job.rows, K};
   const QMatrix one_row{nullptr, job.type, 1, K, K / block_elems(job.type) * block_bytes(job.type)};
   std::vector<uint8_t> raw(static_cast<size_t>(one_row.row_bytes));  // [row_bytes] GGUF row
@@ -239,7 +252,12 @@ void packed_gemm_scalar(const TileJob& job) {
       } else {
         for (int64_t b = 0; b < nb; ++b) {
           float s = 0.0f;
-          for (int64_t k = b * qb; k < b * qb + qb; ++k) s = std::fma(xi[k], wrow[static_cast<size_t>(k)], s);
+          if (words) {  // the SIMD kernels' scaled product (packed.h: nibble_x_scale)
+            for (int64_t k = b * qb; k < b * qb + qb; ++k)
+              s = std::fma(xi[k] * nibble_x_scale(k), wrow[static_cast<size_t>(k)] * nibble_code_scale(k), s);
+          } else {
+            for (int64_t k = b * qb; k < b * qb + qb; ++k) s = std::fma(xi[k], wrow[static_cast<size_t>(k)], s);
+          }
           acc = std::fma(s, d[static_cast<size_t>(b)], acc);
           if (has_min) acc = std::fma(xs[static_cast<size_t>(i * nb + b)], m[static_cast<size_t>(b)], acc);
         }
