@@ -252,11 +252,9 @@ void packed_gemm_scalar(const TileJob& job) {
       } else {
         for (int64_t b = 0; b < nb; ++b) {
           float s = 0.0f;
-          if (words) {  // the SIMD kernels' scaled product (packed.h: nibble_x_scale)
-            for (int64_t k = b * qb; k < b * qb + qb; ++k)
-              s = std::fma(xi[k] * nibble_x_scale(k), wrow[static_cast<size_t>(k)] * nibble_code_scale(k), s);
-          } else {
-            for (int64_t k = b * qb; k < b * qb + qb; ++k) s = std::fma(xi[k], wrow[static_cast<size_t>(k)], s);
+          for (int64_t k = b * qb; k < b * qb + qb; ++k) {  // 4-bit codes: the SIMD kernels' scaled product
+            const float sx = words ? nibble_x_scale(k) : 1.0f, sq = words ? nibble_code_scale(k) : 1.0f;
+            s = std::fma(xi[k] * sx, wrow[static_cast<size_t>(k)] * sq, s);
           }
           acc = std::fma(s, d[static_cast<size_t>(b)], acc);
           if (has_min) acc = std::fma(xs[static_cast<size_t>(i * nb + b)], m[static_cast<size_t>(b)], acc);
