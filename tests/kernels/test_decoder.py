@@ -215,34 +215,45 @@ def test_thread_count_invariant() -> None:
         assert torch.equal(one, many), f"step {i} differs between 1 and {max(2, threads)} threads"
 
 
-def test_row_shards_change_nothing() -> None:
+@pytest.mark.parametrize("num_threads", [2, 3])
+def test_row_shards_and_teams_change_nothing(num_threads: int) -> None:
     """Each thread taking its own sequences through every layer (row shards) gives every logit and
-    cache entry the bits of each operation split over the threads; the automatic choice shards a
-    step of decodes and short chunks and not one with a long prompt chunk."""
+    cache entry the bits of each operation split over the threads, as one team (team_steps, the
+    default) or forking torch's pool per operation; the automatic choice shards a step of
+    decodes and short chunks and not one with a long prompt chunk. 3 threads: a team's shares
+    of uneven size, more threads than a 2-core machine has cores."""
     model = tiny_model("gqa2_hd16", num_layers=3, intermediate_size=96, hidden_size=128)
-    sharded, whole = CpuDecoder.from_dense(model), CpuDecoder.from_dense(model)
-    sharded.row_shards, whole.row_shards = 1, 0
+    sharded, whole, forked = (CpuDecoder.from_dense(model) for _ in range(3))
+    sharded.row_shards = whole.row_shards = forked.row_shards = 0
+    sharded.row_shards = 1
+    assert whole.team_steps
+    forked.team_steps = False
     auto = CpuDecoder.from_dense(model)
     assert auto.row_shards == -1
-    # 2 sequences, then 7 of decodes and chunks, 12 decodes, a long chunk beside decodes, a lone one
+    # 2 sequences, then 7 of decodes and chunks, 12 decodes, a long chunk beside decodes, a lone
+    # decode, then 80 tokens (more than a norm's grain: its rows cut between a team's threads)
     decodes = [(f"d{i}", 1) for i in range(12)]
     schedule = [[("a", 7), ("b", 5)], [("a", 1), ("b", 3), ("c", 30), ("d", 8), ("e", 2), ("f", 1), ("g", 16)],
-                [(r, 20) for r, _ in decodes], decodes, [("a", 1), ("h", 40), ("b", 1)], [("b", 1)]]
+                [(r, 20) for r, _ in decodes], decodes, [("a", 1), ("h", 40), ("b", 1)], [("b", 1)],
+                [("h", 30), ("i", 50)]]
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
-        drivers = [PagedDriver(d, num_blocks=96, block_size=8, seed=1) for d in (sharded, whole, auto)]
+        torch.set_num_threads(num_threads)
+        drivers = [PagedDriver(d, num_blocks=96, block_size=8, seed=1) for d in (sharded, whole, forked, auto)]
         auto_shards = []
         for i, batch in enumerate(token_batches(model.config.vocab_size, seed=9, schedule=schedule)):
-            got, expected, from_auto = (driver.step(batch) for driver in drivers)
-            assert torch.equal(got, expected) and torch.equal(from_auto, expected), f"step {i}: logits differ"
-            assert sharded.last_shards == min(len(batch), 2) and whole.last_shards == 1, f"step {i}"
+            got, expected, from_forked, from_auto = (driver.step(batch) for driver in drivers)
+            for logits in (got, from_forked, from_auto):
+                assert torch.equal(logits, expected), f"step {i}: logits differ"
+            assert sharded.last_shards == min(len(batch), num_threads) and whole.last_shards == 1, f"step {i}"
             auto_shards.append(auto.last_shards)
-            for layer, ((k1, v1), (k2, v2)) in enumerate(zip(drivers[0].kv_caches, drivers[1].kv_caches)):
-                assert torch.equal(k1, k2) and torch.equal(v1, v2), f"step {i} layer {layer}: the caches differ"
+            for other in (drivers[0], drivers[2]):
+                for layer, ((k1, v1), (k2, v2)) in enumerate(zip(other.kv_caches, drivers[1].kv_caches)):
+                    assert torch.equal(k1, k2) and torch.equal(v1, v2), f"step {i} layer {layer}: the caches differ"
     finally:
         torch.set_num_threads(threads)
-    assert auto_shards[3] > 1 and auto_shards[4] == auto_shards[5] == 1, auto_shards
+    if num_threads == 2:  # (3 shards of 12 decodes are too thin: the step runs whole)
+        assert auto_shards[3] > 1 and auto_shards[4] == auto_shards[5] == 1, auto_shards
 
 
 def test_a_bad_block_in_a_shard_raises_and_the_next_step_runs() -> None:

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "qgemm.h"
+#include "team.h"
 
 namespace backfill {
 
@@ -156,10 +157,10 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
 }
 
 void AttentionPlan::run(const DecoderKernels& kernels, const AttentionShape& shape, const float* q, int64_t ldq,
-                        const float* k_cache, const float* v_cache, float* out, int64_t ldo) {
+                        const float* k_cache, const float* v_cache, float* out, int64_t ldo, const Team* team) {
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   const int64_t num_units = static_cast<int64_t>(unit_start.size()) - 1;
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = team != nullptr ? team->size : at::get_num_threads();
   const bool parallel = total_work >= kMinParallelWork || total_kv_bytes >= kMinParallelKvBytes;
   // Work items: whole units when there are enough to keep every thread busy (a worker then
   // reads all KV heads of the same tokens, whose panels share each block's pages), single
@@ -168,30 +169,39 @@ void AttentionPlan::run(const DecoderKernels& kernels, const AttentionShape& sha
   const int64_t num_items = by_unit ? num_units : num_tiles;
   const int64_t num_workers = parallel ? std::max<int64_t>(1, std::min<int64_t>(threads, num_items)) : 1;
   const int64_t per_worker = kernels.attention_scratch(shape, max_rows);
-  if (static_cast<int64_t>(scratch.size()) < num_workers * per_worker)
-    scratch.resize(static_cast<size_t>(num_workers * per_worker));
-  for (Split& split : splits) split.pending = split.num_parts;
-  std::atomic<int64_t> next{0};
-  // One chunk per worker; each takes items off a shared counter until none are left. A cut
-  // tile's rows are combined by the worker that finishes its last partition (the acq_rel
-  // count makes the other workers' partials visible to it): no second pass over the pool.
-  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
-      float* mine = scratch.data() + w * per_worker;
-      for (int64_t item = next.fetch_add(1); item < num_items; item = next.fetch_add(1)) {
-        const int64_t first = by_unit ? unit_start[static_cast<size_t>(item)] : item;
-        const int64_t last = by_unit ? unit_start[static_cast<size_t>(item) + 1] : item + 1;
-        for (int64_t i = first; i < last; ++i) {
-          const AttentionTile& tile = tiles[static_cast<size_t>(i)];
-          kernels.attention_tile(shape, tile, q, ldq, k_cache, v_cache, out, ldo, mine);
-          if (tile.split < 0) continue;
-          Split& split = splits[static_cast<size_t>(tile.split)];
-          if (__atomic_sub_fetch(&split.pending, 1, __ATOMIC_ACQ_REL) == 0)
-            kernels.attention_combine(shape, split.tile, partials.data() + split.first_partial, split.num_parts,
-                                      out, ldo);
-        }
+  if (team == nullptr || team->index == 0) {
+    if (static_cast<int64_t>(scratch.size()) < num_workers * per_worker)
+      scratch.resize(static_cast<size_t>(num_workers * per_worker));
+    for (Split& split : splits) split.pending = split.num_parts;
+    __atomic_store_n(&next_item, 0, __ATOMIC_RELAXED);
+  }
+  if (team != nullptr) team->sync();  // the scratch, counts and counter above, for every worker
+  // Each worker takes items off a shared counter until none are left. A cut tile's rows are
+  // combined by the worker that finishes its last partition (the acq_rel count makes the other
+  // workers' partials visible to it): no second pass over the pool.
+  auto work = [&](int64_t w) {
+    float* mine = scratch.data() + w * per_worker;
+    for (int64_t item = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED); item < num_items;
+         item = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED)) {
+      const int64_t first = by_unit ? unit_start[static_cast<size_t>(item)] : item;
+      const int64_t last = by_unit ? unit_start[static_cast<size_t>(item) + 1] : item + 1;
+      for (int64_t i = first; i < last; ++i) {
+        const AttentionTile& tile = tiles[static_cast<size_t>(i)];
+        kernels.attention_tile(shape, tile, q, ldq, k_cache, v_cache, out, ldo, mine);
+        if (tile.split < 0) continue;
+        Split& split = splits[static_cast<size_t>(tile.split)];
+        if (__atomic_sub_fetch(&split.pending, 1, __ATOMIC_ACQ_REL) == 0)
+          kernels.attention_combine(shape, split.tile, partials.data() + split.first_partial, split.num_parts,
+                                    out, ldo);
       }
     }
+  };
+  if (team != nullptr) {
+    if (team->index < num_workers) work(team->index);
+    return;
+  }
+  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) work(w);
   });
 }
 

@@ -10,6 +10,8 @@
 
 namespace backfill {
 
+struct Team;  // team.h
+
 // The kernels table for norms and SiLU (the best the CPU runs) and for attention (the widest
 // whose SIMD width divides head_dim; head_dim % 4 == 0 is required).
 const DecoderKernels& elementwise_kernels();
@@ -49,11 +51,14 @@ struct AttentionPlan {
   // `prefetch_budget` bytes of K and V (0: none): what a caller may prefetch for a layer.
   int64_t prefetch_budget = 0;
   std::vector<int64_t> prefetch_blocks;
+  int64_t next_item = 0;  // run's work counter (__atomic_* only)
 
   void build(const StepMeta& meta, const AttentionShape& shape, int64_t num_blocks);
   // out[t, h, :] for every token t and query head h (q, out: [T, H * D] rows of stride ldq, ldo).
+  // `team` (optional): run by every thread of a team, each a worker; returns without a final
+  // barrier (the caller syncs before reading out).
   void run(const DecoderKernels& kernels, const AttentionShape& shape, const float* q, int64_t ldq,
-           const float* k_cache, const float* v_cache, float* out, int64_t ldo);
+           const float* k_cache, const float* v_cache, float* out, int64_t ldo, const Team* team = nullptr);
 };
 
 }  // namespace backfill

@@ -29,6 +29,7 @@
 
 #include "attention_cpu.h"
 #include "qgemm.h"
+#include "team.h"
 
 namespace backfill {
 namespace {
@@ -70,13 +71,14 @@ struct Linear {
     return n;
   }
 
-  // side: memory to prefetch as it runs (see packed_gemm), given to the first segment.
+  // side: memory to prefetch as it runs (see packed_gemm), given to the first segment. team:
+  // this thread's share of every segment (no barrier, see packed_gemm).
   void run(const float* x, int64_t m, int64_t ldx, float* y, int64_t ldy, bool accumulate,
-           const SidePrefetch* side = nullptr) const {
+           const SidePrefetch* side = nullptr, const Team* team = nullptr) const {
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
     for (const Segment& s : segments) {
       packed_gemm(x, m, ldx, s.matrix, b == nullptr ? nullptr : b + s.row_offset, y + s.row_offset, ldy, accumulate,
-                  &s == &segments.front() ? side : nullptr);
+                  &s == &segments.front() ? side : nullptr, team);
     }
   }
 };
@@ -150,6 +152,8 @@ constexpr int64_t kFlopsPerByte = 12;
 // with more query tokens than this (a prompt chunk's rows are better split by columns, over the
 // threads one operation at a time).
 constexpr int64_t kShardMinRows = 6;
+// Rows an RMSNorm or SiLU-mul call is worth a thread for.
+constexpr int64_t kNormGrain = 64, kSiluGrain = 16;
 constexpr int64_t kShardMaxQueries = 16;
 
 class FusedDecoder {
@@ -246,6 +250,10 @@ class FusedDecoder {
   // Row shards: -1 (auto, the default) one per thread when the step suits them (see
   // plan_shards), 0 never, 1 whenever the step has a sequence per thread. Tests and benchmarks
   // compare them; it never changes a result.
+  // Whether a step that is not cut into row shards runs as one team (team.h), the default, or
+  // each operation over torch's pool. Tests and benchmarks compare them; it never changes a result.
+  void set_team_steps(bool on) { team_steps_ = on; }
+  bool team_steps() const { return team_steps_; }
   void set_row_shards(int64_t mode) { row_shards_ = mode < 0 ? -1 : mode > 0 ? 1 : 0; }
   int64_t row_shards() const { return row_shards_; }
   // Shards the last step ran in (1: the whole step, its operations over the threads).
@@ -319,7 +327,13 @@ class FusedDecoder {
                                1.0f / std::sqrt(static_cast<float>(head_dim_)), window > 0 ? window : 0};
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const int64_t qkv_cols = q_size + 2 * kv_size;
-    const StepBuffers buf{ids,
+    const int64_t num_shards = plan_shards(meta);
+    const bool as_team = num_shards == 1 && team_steps_ && at::get_num_threads() > 1 && !at::in_parallel_region();
+    // a team's threads each keep their own normed rows and activations where they compute them
+    // whole (see run_shard)
+    const int64_t copies = as_team ? at::get_num_threads() : 1;
+    const StepBuffers buf{num_tokens,
+                          ids,
                           pos,
                           cos_p,
                           sin_p,
@@ -327,22 +341,24 @@ class FusedDecoder {
                           &kv_caches,
                           shape,
                           ensure(x_, num_tokens * hidden_),                    // [T, hidden] residual stream
-                          ensure(xn_, num_tokens * hidden_),                   // [T, hidden] normed
+                          ensure(xn_, copies * num_tokens * hidden_),          // [copies, T, hidden] normed
                           ensure(qkv_, num_tokens * qkv_cols),                 // [T, (H + 2 Hkv) * D]
                           ensure(attn_, num_tokens * q_size),                  // [T, H * D]
                           ensure(gate_up_, num_tokens * 2 * intermediate_),    // [T, 2 * intermediate]
-                          ensure(act_, num_tokens * intermediate_)};           // [T, intermediate]
-    const int64_t num_shards = plan_shards(meta);
+                          ensure(act_, copies * num_tokens * intermediate_)};  // [copies, T, intermediate]
     // Every shard's attention plan (it checks its sequences' lengths and block tables) before
     // any shard runs: a bad step is refused whole, no cache written.
     for (int64_t i = 0; i < num_shards; ++i) plan_attention(shards_[static_cast<size_t>(i)], meta, shape, num_blocks);
-    if (num_shards == 1) {
-      run_shard(shards_[0], buf, true);
+    if (as_team) {
+      // The threads as one team through every operation (team.h): one fork and join a step.
+      run_team([&](const Team& team) { run_shard(shards_[0], buf, team.index == 0, &team); });
+    } else if (num_shards == 1) {
+      run_shard(shards_[0], buf, true, nullptr);
     } else {
       // One thread per shard, each through every layer on its own rows: no fork or join per
       // operation (the kernels' own at::parallel_for calls run inline on the shard's thread).
       at::parallel_for(0, num_shards, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) run_shard(shards_[static_cast<size_t>(i)], buf, i == 0);
+        for (int64_t i = begin; i < end; ++i) run_shard(shards_[static_cast<size_t>(i)], buf, i == 0, nullptr);
       });
     }
     if (profile_) {  // the first shard's time (a shard's operations end together with the others')
@@ -354,6 +370,7 @@ class FusedDecoder {
 
   // What every shard of a step reads and writes (the buffers: rows [T, ...], a shard its own).
   struct StepBuffers {
+    int64_t num_tokens;
     const int64_t* ids;
     const int64_t* pos;
     const float* cos;
@@ -452,8 +469,10 @@ class FusedDecoder {
     sh.plan.build(meta, shape, num_blocks);
   }
 
-  // Every layer over the shard's tokens (its plan built). `timed`: this shard keeps the profile's laps.
-  void run_shard(Shard& sh, const StepBuffers& b, bool timed) {
+  // Every layer over the shard's tokens (its plan built). `timed`: this thread keeps the profile's
+  // laps. `team`: called by every thread of a team, each operation cut between them, a barrier
+  // after each (the next reads its output); without one, each operation over torch's pool.
+  void run_shard(Shard& sh, const StepBuffers& b, bool timed, const Team* team) {
     const int64_t t0 = sh.token_begin, num_tokens = sh.token_end - sh.token_begin;
     const AttentionShape& shape = b.shape;
     const std::vector<KVCache>& kv_caches = *b.kv_caches;
@@ -463,64 +482,79 @@ class FusedDecoder {
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const int64_t qkv_cols = q_size + 2 * kv_size;
     float* x = b.x + t0 * hidden_;
-    float* xn = b.xn + t0 * hidden_;
+    // An operation too small to cut (rows <= its grain: one thread would run it while the others
+    // wait) runs whole on every thread of a team, into the thread's own copy of its output (the
+    // team's size of them; omp may start fewer threads than asked, never more): no barrier
+    // before the next operation reads it.
+    const Team solo{0, 1, nullptr};
+    const bool own_xn = team != nullptr && num_tokens <= kNormGrain;
+    const bool own_act = team != nullptr && num_tokens <= kSiluGrain;
+    const Team* norm_team = own_xn ? &solo : team;
+    const Team* silu_team = own_act ? &solo : team;
+    float* xn = b.xn + ((own_xn ? team->index * b.num_tokens : 0) + t0) * hidden_;
     float* qkv = b.qkv + t0 * qkv_cols;
     float* attn = b.attn + t0 * q_size;
     float* gate_up = b.gate_up + t0 * 2 * intermediate_;
-    float* act = b.act + t0 * intermediate_;
+    float* act = b.act + ((own_act ? team->index * b.num_tokens : 0) + t0) * intermediate_;
 
-    sh.linear_s = sh.attention_s = sh.other_s = 0.0;
+    if (timed) sh.linear_s = sh.attention_s = sh.other_s = 0.0;
     const bool profile = profile_ && timed;
     auto start = Clock::now();
-    auto lap = [&](double& bucket) {
+    // after each operation: the barrier (`sync`: the next operation reads this one's output
+    // from other threads), then the profile's lap
+    auto lap = [&](double& bucket, bool sync = true) {
+      if (team != nullptr && sync) team->sync();
       if (!profile) return;
       const auto now = Clock::now();
       bucket += std::chrono::duration<double>(now - start).count();
       start = now;
     };
-    packed_dequantize_rows(embedding_.segments[0].matrix, b.ids + t0, num_tokens, x, hidden_);  // [T, hidden]
+    packed_dequantize_rows(embedding_.segments[0].matrix, b.ids + t0, num_tokens, x, hidden_, team);  // [T, hidden]
     lap(sh.other_s);
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
       float* k_cache = std::get<0>(kv_caches[l]).data_ptr<float>();  // [blocks, Hkv, D, bs]
       float* v_cache = std::get<1>(kv_caches[l]).data_ptr<float>();  // [blocks, Hkv, bs, D]
-      norm_rows(x, layer.input_norm.data_ptr<float>(), num_tokens, xn);
-      lap(sh.other_s);
-      layer.qkv.run(xn, num_tokens, hidden_, qkv, qkv_cols, false);
+      norm_rows(x, layer.input_norm.data_ptr<float>(), num_tokens, xn, norm_team);
+      lap(sh.other_s, !own_xn);
+      layer.qkv.run(xn, num_tokens, hidden_, qkv, qkv_cols, false, nullptr, team);
       lap(sh.linear_s);
       rope_and_write_kv(qkv, qkv_cols, b.pos + t0, b.cos, b.sin, b.slots + t0, num_tokens, block_size, k_cache,
-                        v_cache);
-      lap(sh.other_s);
-      plan.run(attention_, shape, qkv, qkv_cols, k_cache, v_cache, attn, q_size);
-      lap(sh.attention_s);
+                        v_cache, team);
+      lap(sh.other_s, false);  // plan.run syncs a team before its first read
       // While o_proj and the MLP compute, the next layer's K/V (the share the budget above allows)
       // comes from memory; its attention then reads it from the caches. The lines are split
       // 15 / 35 / 50% between o_proj, gate_up and down: gate_up, whose output streams through
       // L2, slows most under them (Zen 5, batch 32: its linears 0.6-1 ms faster than 0 / 67 / 33).
-      SidePrefetch side_o{nullptr, 0, 0}, side_gu{nullptr, 0, 0}, side_down{nullptr, 0, 0};
-      if (l + 1 < layers_.size() && !plan.prefetch_blocks.empty()) {
+      // The spans are listed by one thread, for all (the barrier after attention publishes them).
+      const bool prefetch_next = l + 1 < layers_.size() && !plan.prefetch_blocks.empty();
+      if (prefetch_next && (team == nullptr || team->index == 0))
         kv_spans(plan, std::get<0>(kv_caches[l + 1]).data_ptr<float>(),
                  std::get<1>(kv_caches[l + 1]).data_ptr<float>(), block_size, sh.side_spans);
+      plan.run(attention_, shape, qkv, qkv_cols, k_cache, v_cache, attn, q_size, team);
+      lap(sh.attention_s);
+      SidePrefetch side_o{nullptr, 0, 0}, side_gu{nullptr, 0, 0}, side_down{nullptr, 0, 0};
+      if (prefetch_next) {
         const int64_t n = static_cast<int64_t>(sh.side_spans.size()), line_floats = 64 / sizeof(float);
         const int64_t span_lines = block_size * num_kv_heads_ * head_dim_ / line_floats;
         side_o = {sh.side_spans.data(), 15 * n / 100, span_lines};
         side_gu = {side_o.spans + side_o.num_spans, 35 * n / 100, span_lines};
         side_down = {side_gu.spans + side_gu.num_spans, n - side_o.num_spans - side_gu.num_spans, span_lines};
       }
-      layer.o_proj.run(attn, num_tokens, q_size, x, hidden_, true, &side_o);  // x += attn @ Wo^T
+      layer.o_proj.run(attn, num_tokens, q_size, x, hidden_, true, &side_o, team);  // x += attn @ Wo^T
       lap(sh.linear_s);
-      norm_rows(x, layer.post_norm.data_ptr<float>(), num_tokens, xn);
-      lap(sh.other_s);
-      layer.gate_up.run(xn, num_tokens, hidden_, gate_up, 2 * intermediate_, false, &side_gu);
+      norm_rows(x, layer.post_norm.data_ptr<float>(), num_tokens, xn, norm_team);
+      lap(sh.other_s, !own_xn);
+      layer.gate_up.run(xn, num_tokens, hidden_, gate_up, 2 * intermediate_, false, &side_gu, team);
       lap(sh.linear_s);
-      at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+      for_share(silu_team, num_tokens, kSiluGrain, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
           const float* row = gate_up + t * 2 * intermediate_;  // [gate | up]
           elementwise_.silu_mul(row, row + intermediate_, intermediate_, act + t * intermediate_);
         }
       });
-      lap(sh.other_s);
-      layer.down.run(act, num_tokens, intermediate_, x, hidden_, true, &side_down);  // x += act @ Wdown^T
+      lap(sh.other_s, !own_act);
+      layer.down.run(act, num_tokens, intermediate_, x, hidden_, true, &side_down, team);  // x += act @ Wdown^T
       lap(sh.linear_s);
     }
   }
@@ -536,8 +570,8 @@ class FusedDecoder {
     }
   }
 
-  void norm_rows(const float* x, const float* weight, int64_t num_tokens, float* y) const {
-    at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+  void norm_rows(const float* x, const float* weight, int64_t num_tokens, float* y, const Team* team) const {
+    for_share(team, num_tokens, kNormGrain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) elementwise_.rms_norm(x + t * hidden_, weight, eps_, hidden_, y + t * hidden_);
     });
   }
@@ -548,9 +582,9 @@ class FusedDecoder {
   // the V panel [block_size, D] (see AttentionShape).
   void rope_and_write_kv(float* qkv, int64_t ld, const int64_t* positions, const float* cos, const float* sin,
                          const int64_t* slots, int64_t num_tokens, int64_t block_size, float* k_cache,
-                         float* v_cache) const {
+                         float* v_cache, const Team* team) const {
     const int64_t d_len = head_dim_, half = head_dim_ / 2, panel = block_size * head_dim_;
-    at::parallel_for(0, num_tokens, 32, [&](int64_t begin, int64_t end) {
+    for_share(team, num_tokens, 32, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         float* row = qkv + t * ld;  // [q heads | k heads | v heads], each [D]
         const float* c = cos + positions[t] * d_len;
@@ -593,6 +627,7 @@ class FusedDecoder {
   std::vector<int64_t> shard_cost_, shard_ends_;  // plan_shards' scratch
   int64_t layer_weights_ = 0;                     // weights of every layer's linears (the LM head not)
   int64_t row_shards_ = -1;
+  bool team_steps_ = true;
   int64_t kv_prefetch_cap_ = l3_prefetch_cap();
   std::vector<float> x_, xn_, qkv_, attn_, gate_up_, act_;  // scratch, see run_layers
   bool profile_ = false;
@@ -653,6 +688,7 @@ void register_decoder(pybind11::module& m) {
       .def_property_readonly("last_kv_prefetch_blocks", &FusedDecoder::last_kv_prefetch_blocks)
       .def_property("row_shards", &FusedDecoder::row_shards, &FusedDecoder::set_row_shards)
       .def_property_readonly("last_shards", &FusedDecoder::last_shards)
+      .def_property("team_steps", &FusedDecoder::team_steps, &FusedDecoder::set_team_steps)
       .def("profile", &FusedDecoder::profile)
       .def("kernels", &FusedDecoder::kernels);
   m.def("paged_attention", &paged_attention_cpu, nogil, "paged attention of one step (fused decoder's kernels)",

@@ -11,6 +11,7 @@
 #include "isa.h"
 #include "qgemm.h"
 #include "repack.h"
+#include "team.h"
 
 namespace backfill {
 namespace {
@@ -103,7 +104,7 @@ void repack(const QMatrix& raw, uint8_t* out) {
 }
 
 void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, const float* bias, float* y,
-                 int64_t ldy, bool accumulate, const SidePrefetch* side) {
+                 int64_t ldy, bool accumulate, const SidePrefetch* side, const Team* team) {
   if (m <= 0 || w.rows <= 0) return;
   const JobFn fn = job_fn();
   // Threads take contiguous ranges of whole tiles: no output is shared, none depends on the split.
@@ -111,7 +112,7 @@ void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, 
   const int64_t tile_work = kTileRows * w.cols * (m + 2);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / tile_work);
   const int64_t tiles = num_tiles(w.rows), side_lines = side == nullptr ? 0 : side->num_spans * side->span_lines;
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  for_share(team, tiles, grain, [&](int64_t begin, int64_t end) {
     // each job prefetches the share of the side lines its share of the tiles gives it
     const TileJob job{x,    m,   ldx,        w.data, w.type, w.rows, w.cols,
                       bias, y,   ldy,        accumulate,     begin,  end,
@@ -122,9 +123,9 @@ void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, 
 }
 
 void packed_dequantize_rows(const PackedMatrix& w, const int64_t* rows, int64_t num_rows, float* out,
-                            int64_t ld_out) {
+                            int64_t ld_out, const Team* team) {
   const QMatrix one_row{nullptr, w.type, 1, w.cols, w.cols / block_elems(w.type) * block_bytes(w.type)};
-  at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
+  for_share(team, num_rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> raw(static_cast<size_t>(one_row.row_bytes));  // [row_bytes] one GGUF row
     QMatrix q = one_row;
     q.data = raw.data();

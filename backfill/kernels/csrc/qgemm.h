@@ -6,6 +6,8 @@
 
 namespace backfill {
 
+struct Team;  // team.h
+
 // Scalar reference: dequantize row `row` of `w` into out[0 .. w.cols). Defines the numbers
 // every fast kernel must reproduce (up to fp32 summation order).
 void dequantize_row_ref(const QMatrix& w, int64_t row, float* out);
@@ -50,11 +52,12 @@ void repack(const QMatrix& raw, uint8_t* out);
 // Multi-threaded over torch's intra-op pool. Batch invariant: y[i, n] does not depend on M,
 // on the other rows of x, on the thread count or on the ISA. `side` (optional): memory the
 // threads prefetch as they compute, spread over their FMA blocks (the scalar kernels ignore it).
-// It never changes y.
+// It never changes y. `team` (optional): run by every thread of a team, each its share of the
+// output tiles, and return without a barrier (see team.h).
 void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, const float* bias, float* y,
-                 int64_t ldy, bool accumulate, const SidePrefetch* side = nullptr);
-// out[i, :] = row rows[i] of W as fp32 (bit-exact with dequantize_row_ref).
+                 int64_t ldy, bool accumulate, const SidePrefetch* side = nullptr, const Team* team = nullptr);
+// out[i, :] = row rows[i] of W as fp32 (bit-exact with dequantize_row_ref); `team` as packed_gemm's.
 void packed_dequantize_rows(const PackedMatrix& w, const int64_t* rows, int64_t num_rows, float* out,
-                            int64_t ld_out);
+                            int64_t ld_out, const Team* team = nullptr);
 
 }  // namespace backfill

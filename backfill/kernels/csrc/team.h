@@ -1,0 +1,124 @@
+// A team: every thread of torch's intra-op pool taking one engine step through its operations
+// together, each operation cut by thread index as at::parallel_for would cut it, the threads
+// meeting at a barrier where one operation needs another's output. One fork and join for the
+// whole step, where at::parallel_for costs one per operation: on 2 threads of an EPYC a few
+// microseconds each, ~120 a small decode step (4 linears a layer and the attention).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/ParallelGuard.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <thread>
+#include <utility>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace backfill {
+
+// Thrown by a team's sync() in the threads still waiting once another has failed (the failure
+// itself is what run_team rethrows).
+struct TeamAborted {};
+
+// A reusable barrier for the threads of one parallel region: a generation count that the last
+// thread to arrive advances. Waiters spin (a wait lasts the imbalance of one operation, a few
+// microseconds), then yield their core, for a neighbour's thread on a loaded machine.
+class TeamBarrier {
+ public:
+  void set_size(int64_t size) { size_.store(size, std::memory_order_relaxed); }
+  void fail() { failed_.store(true, std::memory_order_relaxed); }
+
+  void wait() {
+    const int64_t generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == size_.load(std::memory_order_relaxed)) {
+      arrived_.store(0, std::memory_order_relaxed);  // before the release below: the next wait sees it
+      generation_.store(generation + 1, std::memory_order_release);
+      return;
+    }
+    for (int64_t spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      if (failed_.load(std::memory_order_relaxed)) throw TeamAborted{};
+      if (spins < kSpins) {
+#if defined(__x86_64__) || defined(__i386__)
+        _mm_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  static constexpr int64_t kSpins = 1 << 14;  // ~0.5-1 ms of pause instructions
+  alignas(64) std::atomic<int64_t> arrived_{0};
+  alignas(64) std::atomic<int64_t> generation_{0};
+  std::atomic<int64_t> size_{1};
+  std::atomic<bool> failed_{false};
+};
+
+// One thread's view of its team.
+struct Team {
+  int64_t index;  // 0 .. size - 1; 0 is the thread that called run_team
+  int64_t size;
+  TeamBarrier* barrier;
+
+  // Waits until every thread of the team has called sync() as often as this one.
+  void sync() const { barrier->wait(); }
+
+  // This thread's share [begin, end) of [0, n), cut as at::parallel_for cuts it (OpenMP backend):
+  // all of it on thread 0 where n <= grain, else min(size, ceil(n / grain)) equal chunks.
+  std::pair<int64_t, int64_t> share(int64_t n, int64_t grain) const {
+    if (n <= 0) return {0, 0};
+    if (n <= grain || size == 1) return index == 0 ? std::make_pair(int64_t{0}, n) : std::make_pair(n, n);
+    const int64_t chunks = grain > 0 ? std::min(size, (n + grain - 1) / grain) : size;
+    const int64_t chunk = (n + chunks - 1) / chunks;
+    const int64_t begin = std::min(n, index * chunk);
+    return {begin, std::min(n, begin + chunk)};
+  }
+};
+
+// f(begin, end) over [0, n): with a team, this thread's share only (no barrier: the caller
+// syncs where a later operation reads the output); without one, over torch's pool.
+template <typename F>
+void for_share(const Team* team, int64_t n, int64_t grain, const F& f) {
+  if (team == nullptr) {
+    at::parallel_for(0, n, grain, f);
+    return;
+  }
+  const auto [begin, end] = team->share(n, grain);
+  if (begin < end) f(begin, end);
+}
+
+// Runs body(team) on every thread of torch's intra-op pool at once (the caller's thread as
+// index 0) and returns when all have; rethrows the first exception any thread threw (the
+// others then stop at their next sync()). Inside, at::parallel_for runs inline.
+template <typename F>
+void run_team(const F& body) {
+  TeamBarrier barrier;
+  std::exception_ptr error;
+  std::atomic_flag failed = ATOMIC_FLAG_INIT;
+  // NOTE: no num_threads clause, as at::parallel_for (torch issue #32008): the pool's size is
+  // what torch.set_num_threads set.
+#pragma omp parallel
+  {
+    const Team team{omp_get_thread_num(), omp_get_num_threads(), &barrier};
+    barrier.set_size(team.size);  // every thread stores the same value before its first wait
+    try {
+      at::internal::ThreadIdGuard tid_guard(static_cast<int>(team.index));
+      c10::ParallelGuard guard(true);
+      body(team);
+    } catch (const TeamAborted&) {
+    } catch (...) {
+      if (!failed.test_and_set()) error = std::current_exception();
+      barrier.fail();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace backfill
