@@ -80,11 +80,12 @@ def build_batch(
         sliding_window=sliding_window,
         plan_torch_attention=plan_torch_attention,
     )
+    ids, rows = torch.tensor(input_ids + logits_index, dtype=torch.long).split([len(input_ids), len(logits_index)])
     return Batch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        input_ids=ids.to(device),  # [T]
         positions=positions,
         metadata=metadata,
-        logits_index=torch.tensor(logits_index, dtype=torch.long, device=device),
+        logits_index=rows.to(device),  # [S_sample + P + prompt rows]
         sample_request_ids=sample_request_ids,
         prompt_logits_start=prompt_logits_start,
     )
