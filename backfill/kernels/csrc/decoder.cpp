@@ -15,7 +15,9 @@
 // Threads: a step of many short queries (decodes) is cut into row shards, runs of whole
 // sequences, one per thread, each taken through every layer by its thread alone (the threads
 // meet once a step; weights are read by each, from the shared L3 or memory, which at these
-// batch sizes has the bandwidth to spare). Other steps run each operation over all the threads.
+// batch sizes has the bandwidth to spare). Other steps run each operation over all the threads,
+// as one team (team.h): one fork and join a step, a barrier where an operation reads another
+// thread's output.
 #include <torch/extension.h>
 
 #include <chrono>
@@ -152,9 +154,9 @@ constexpr int64_t kFlopsPerByte = 12;
 // with more query tokens than this (a prompt chunk's rows are better split by columns, over the
 // threads one operation at a time).
 constexpr int64_t kShardMinRows = 6;
+constexpr int64_t kShardMaxQueries = 16;
 // Rows an RMSNorm or SiLU-mul call is worth a thread for.
 constexpr int64_t kNormGrain = 64, kSiluGrain = 16;
-constexpr int64_t kShardMaxQueries = 16;
 
 class FusedDecoder {
  public:
@@ -247,13 +249,13 @@ class FusedDecoder {
       n += static_cast<int64_t>(shards_[static_cast<size_t>(i)].plan.prefetch_blocks.size());
     return n;
   }
-  // Row shards: -1 (auto, the default) one per thread when the step suits them (see
-  // plan_shards), 0 never, 1 whenever the step has a sequence per thread. Tests and benchmarks
-  // compare them; it never changes a result.
   // Whether a step that is not cut into row shards runs as one team (team.h), the default, or
   // each operation over torch's pool. Tests and benchmarks compare them; it never changes a result.
   void set_team_steps(bool on) { team_steps_ = on; }
   bool team_steps() const { return team_steps_; }
+  // Row shards: -1 (auto, the default) one per thread when the step suits them (see
+  // plan_shards), 0 never, 1 whenever the step has a sequence per thread. Tests and benchmarks
+  // compare them; it never changes a result.
   void set_row_shards(int64_t mode) { row_shards_ = mode < 0 ? -1 : mode > 0 ? 1 : 0; }
   int64_t row_shards() const { return row_shards_; }
   // Shards the last step ran in (1: the whole step, its operations over the threads).
