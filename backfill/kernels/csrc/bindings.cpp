@@ -1,6 +1,7 @@
 // Python bindings of the CPU kernels (a pybind11 module built by torch.utils.cpp_extension).
 #include <torch/extension.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <vector>
@@ -8,6 +9,7 @@
 #include "attention_cpu.h"
 #include "hugepages.h"
 #include "qgemm.h"
+#include "team.h"
 
 namespace backfill {
 namespace {
@@ -204,6 +206,27 @@ torch::Tensor inverse_cdf_sample(const torch::Tensor& probs, const torch::Tensor
   return out;
 }
 
+// run_team's contract (team.h), for tests: every thread of torch's pool meets 2 x `rounds`
+// barriers, each round adding index + 1 to a shared total that every thread checks between the
+// round's two barriers; thread `fail_thread` (-1: none) throws before round `fail_round`.
+// Returns the team's size; a failure raises here (the other threads stop at their next barrier).
+int64_t team_selftest(int64_t rounds, int64_t fail_thread, int64_t fail_round) {
+  std::atomic<int64_t> total{0}, size{0};
+  std::atomic<bool> early{false};
+  run_team([&](const Team& team) {
+    if (team.index == 0) size = team.size;
+    for (int64_t r = 0; r < rounds; ++r) {
+      TORCH_CHECK(team.index != fail_thread || r != fail_round, "team thread ", team.index, " failed in round ", r);
+      total.fetch_add(team.index + 1);
+      team.sync();
+      if (total.load() != (r + 1) * team.size * (team.size + 1) / 2) early = true;
+      team.sync();
+    }
+  });
+  TORCH_CHECK(!early, "a team barrier let a thread through before the others arrived");
+  return size;
+}
+
 }  // namespace
 
 void register_decoder(pybind11::module& m);  // decoder.cpp
@@ -242,5 +265,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("inverse_cdf_sample", &backfill::inverse_cdf_sample,
         "per row: searchsorted(probs.cumsum(float64), (1 - u) * sum).clamp_max(V - 1), one pass",
         py::arg("probs"), py::arg("u"), py::call_guard<py::gil_scoped_release>());
+  m.def("team_selftest", &backfill::team_selftest,
+        "tests: run_team's barriers and error path over torch's pool (see bindings.cpp); the team's size",
+        py::arg("rounds"), py::arg("fail_thread") = -1, py::arg("fail_round") = 0,
+        py::call_guard<py::gil_scoped_release>());
   backfill::register_decoder(m);
 }
