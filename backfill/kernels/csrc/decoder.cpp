@@ -333,7 +333,7 @@ class FusedDecoder {
     const bool as_team = num_shards == 1 && team_steps_ && at::get_num_threads() > 1 && !at::in_parallel_region();
     // a team's threads each keep their own normed rows and activations where they compute them
     // whole (see run_shard)
-    const int64_t copies = as_team ? at::get_num_threads() : 1;
+    const int64_t copies = as_team ? team_max_size() : 1;
     const StepBuffers buf{num_tokens,
                           ids,
                           pos,
@@ -485,9 +485,8 @@ class FusedDecoder {
     const int64_t qkv_cols = q_size + 2 * kv_size;
     float* x = b.x + t0 * hidden_;
     // An operation too small to cut (rows <= its grain: one thread would run it while the others
-    // wait) runs whole on every thread of a team, into the thread's own copy of its output (the
-    // team's size of them; omp may start fewer threads than asked, never more): no barrier
-    // before the next operation reads it.
+    // wait) runs whole on every thread of a team, into the thread's own copy of its output
+    // (team_max_size() of them): no barrier before the next operation reads it.
     const Team solo{0, 1, nullptr};
     const bool own_xn = team != nullptr && num_tokens <= kNormGrain;
     const bool own_act = team != nullptr && num_tokens <= kSiluGrain;

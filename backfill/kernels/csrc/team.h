@@ -7,7 +7,9 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/ParallelGuard.h>
+#ifdef _OPENMP
 #include <omp.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -94,6 +96,16 @@ void for_share(const Team* team, int64_t n, int64_t grain, const F& f) {
   if (begin < end) f(begin, end);
 }
 
+// The most threads a team can have (what buffers kept per thread must be sized for): OpenMP's
+// bound on a region's threads; 1 without OpenMP.
+inline int64_t team_max_size() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
 // Runs body(team) on every thread of torch's intra-op pool at once (the caller's thread as
 // index 0) and returns when all have; rethrows the first exception any thread threw (the
 // others then stop at their next sync()). Inside, at::parallel_for runs inline.
@@ -106,7 +118,11 @@ void run_team(const F& body) {
   // what torch.set_num_threads set.
 #pragma omp parallel
   {
+#ifdef _OPENMP
     const Team team{omp_get_thread_num(), omp_get_num_threads(), &barrier};
+#else
+    const Team team{0, 1, &barrier};
+#endif
     barrier.set_size(team.size);  // every thread stores the same value before its first wait
     try {
       at::internal::ThreadIdGuard tid_guard(static_cast<int>(team.index));
