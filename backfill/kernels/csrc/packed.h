@@ -87,8 +87,9 @@ inline float block_sum(const float* x, int64_t qb) {
 //   b = 0, 1, ... (from +0) of y = fma(S_b, d_b, y), then y = fma(X_b, m_b, y) (types with an
 //   offset), where S_b is the FMA chain over the block's columns in order (from +0) of x[i, k] q
 //   (the 4-bit types: of x[i, k] 2^-4c times q 2^4c, the same product for every normal x, see
-//   nibble_x_scale) and X_b the block's sum of x[i, k] (block_sum). One FMA per weight and row where
-//   dequantizing first takes two at one row: a decode step's GEMMs are FMA-bound on one core.
+//   nibble_x_scale) and X_b the block's sum of x[i, k] (block_sum). One FMA per weight and row
+//   where dequantizing first takes two at one row: a decode step's GEMMs are FMA-bound on one
+//   core.
 struct TileJob {
   const float* x;  // [m, K], row stride ldx
   int64_t m;

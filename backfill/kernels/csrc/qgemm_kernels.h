@@ -15,10 +15,11 @@
 // Numbers (the invariant every path keeps, see TileJob): lanes run across 16 output rows. For
 // F32 / F16, y[i, n] is one FMA chain over k = 0 .. K-1 in order on the reference's weights. For
 // the block types, the chain runs over blocks: each block's codes times x in a chain of their
-// own (S; the 4-bit types' products scaled, see nibble_x_scale), folded in as y = fma(S, d, y), y = fma(X, m, y) with the block's scale and offset,
-// d and m computed as dequantize_row_ref computes them ("exact product, one rounding": the
-// fp16 scale times a small integer fits fp32's 24 bits). Blocking (how many rows / tiles per
-// kernel call, panels or registers, threads) never changes a chain.
+// own (S; the 4-bit types' products scaled, see nibble_x_scale), folded in as y = fma(S, d, y),
+// y = fma(X, m, y) with the block's scale and offset, d and m computed as dequantize_row_ref
+// computes them ("exact product, one rounding": the fp16 scale times a small integer fits
+// fp32's 24 bits). Blocking (how many rows / tiles per kernel call, panels or registers,
+// threads) never changes a chain.
 #pragma once
 
 #define BF_AI inline __attribute__((always_inline))
