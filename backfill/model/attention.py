@@ -22,7 +22,7 @@ Every index tensor and mask is built once per step in `build_attention_metadata`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -82,6 +82,8 @@ class AttentionMetadata:
     # NOTE: a fresh multi-MB tensor per layer costs page faults (glibc hands big blocks back
     # to the OS on free); reusing one buffer made the decode gather ~5x faster on CPU.
     workspace: dict[str, Tensor] = field(default_factory=dict)
+    # The `leading` int lists of build_attention_metadata's caller, as int64 tensors on the device.
+    leading: list[Tensor] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +102,7 @@ def build_attention_metadata(
     device: torch.device,
     sliding_window: int | None = None,
     plan_torch_attention: bool = True,
+    leading: Sequence[Sequence[int]] = (),
 ) -> tuple[Tensor, AttentionMetadata]:
     """Flatten one step's sequences into positions [T] int64 and the shared metadata.
 
@@ -109,7 +112,8 @@ def build_attention_metadata(
     With `sliding_window` W, the query at position p attends to positions p - W + 1 .. p only
     (the model's ModelConfig.sliding_window). `plan_torch_attention=False` skips the decode
     groups and prompt masks that only `paged_attention` reads (the CPU kernels' step needs the
-    tensors alone).
+    tensors alone). `leading`: int lists the caller wants as int64 tensors on `device` too; they
+    come back in `meta.leading` (in one tensor with the fields where the step is decodes only).
     """
     num_seqs = len(query_lens)
     assert len(num_computed_tokens) == num_seqs and len(block_tables) == num_seqs
@@ -132,16 +136,17 @@ def build_attention_metadata(
     padded_tables = [t + [0] * (max_blocks - len(t)) for t in block_tables]
 
     if num_tokens == num_seqs:
-        # Decodes only (one token a sequence): lists, then one tensor of every field cut into
-        # views, faster than the vectorized path's dozen small tensor ops or a tensor a field
-        # (each call costs microseconds, more in a batch-1 step whose Python runs with the caches
-        # cold from the weights' stream).
+        # Decodes only (one token a sequence): lists, then one tensor of every field (and the
+        # caller's `leading` lists) cut into views, faster than the vectorized path's dozen small
+        # tensor ops or a tensor a field. A batch-1 step's Python runs with the caches cold from
+        # the weights' stream, where each torch call's first use costs tens of microseconds.
         slots = [table[p // block_size] * block_size + p % block_size
                  for table, p in zip(block_tables, num_computed_tokens)]
-        flat = torch.tensor(num_computed_tokens + slots + seq_lens + query_start
-                            + [block for table in padded_tables for block in table], dtype=torch.int64)
-        cpu_positions, cpu_slots, cpu_seq_lens, cpu_query_start, cpu_tables = flat.split(
-            [num_tokens, num_tokens, num_seqs, num_seqs + 1, num_seqs * max_blocks])  # [T], [T], [S], [S + 1], ...
+        flat = torch.tensor([v for values in leading for v in values] + num_computed_tokens + slots + seq_lens
+                            + query_start + [block for table in padded_tables for block in table], dtype=torch.int64)
+        *packed, cpu_positions, cpu_slots, cpu_seq_lens, cpu_query_start, cpu_tables = flat.split(
+            [len(values) for values in leading]
+            + [num_tokens, num_tokens, num_seqs, num_seqs + 1, num_seqs * max_blocks])  # [T], [T], [S], [S + 1], ...
         cpu_tables = cpu_tables.view(num_seqs, max_blocks)  # [S, max_blocks]
     else:
         cpu_tables = torch.tensor(padded_tables, dtype=torch.int64)  # [S, max_blocks]
@@ -156,23 +161,28 @@ def build_attention_metadata(
         cpu_positions = torch.arange(num_tokens, dtype=torch.int64) + offset[seq_of_token]  # [T]
         block_of_token = cpu_tables[seq_of_token, cpu_positions // block_size]  # [T]
         cpu_slots = block_of_token * block_size + cpu_positions % block_size  # [T]
+        packed = [torch.tensor(list(values), dtype=torch.int64) for values in leading]
 
     def as_tensor(values: list[int] | list[list[int]]) -> Tensor:
         return torch.tensor(values, dtype=torch.int64).to(device)
 
+    def to_device(t: Tensor) -> Tensor:  # (on the CPU, not even a no-op call)
+        return t if device.type == "cpu" else t.to(device)
+
     meta = AttentionMetadata(
-        slot_mapping=cpu_slots.to(device),  # [T]
-        block_tables=cpu_tables.to(device),  # [S, max_blocks]
-        seq_lens=cpu_seq_lens.to(device),  # [S]
-        query_start=cpu_query_start.to(device),  # [S + 1]
+        slot_mapping=to_device(cpu_slots),  # [T]
+        block_tables=to_device(cpu_tables),  # [S, max_blocks]
+        seq_lens=to_device(cpu_seq_lens),  # [S]
+        query_start=to_device(cpu_query_start),  # [S + 1]
         query_lens_list=list(query_lens),
         seq_lens_list=seq_lens,
         block_size=block_size,
         sliding_window=sliding_window,
+        leading=[to_device(t) for t in packed],
     )
 
     if not plan_torch_attention:
-        return cpu_positions.to(device), meta  # positions: [T]
+        return to_device(cpu_positions), meta  # positions: [T]
     decode_seqs = [i for i in range(num_seqs) if query_lens[i] == 1]
     meta.num_decode = len(decode_seqs)
     for group in _group_by_length(decode_seqs, seq_lens, block_size):
@@ -216,7 +226,7 @@ def build_attention_metadata(
                 mask=mask,
             )
         )
-    return cpu_positions.to(device), meta  # positions: [T]
+    return to_device(cpu_positions), meta  # positions: [T]
 
 
 def decode_visible(seq_lens: Tensor, padded_len: int, sliding_window: int | None) -> Tensor:

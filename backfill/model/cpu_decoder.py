@@ -74,6 +74,8 @@ class CpuDecoder:
         # the C++ step reads rows by position, so a step costs no Python RoPE ops.
         self._rope_cos = torch.empty(0, config.head_dim)
         self._rope_sin = torch.empty(0, config.head_dim)
+        self._rope_len = 0  # rows of the tables (read every step: no tensor attribute call)
+        self._bound_caches: list[tuple[Tensor, Tensor]] | None = None  # the caches decode runs on
         self._step = ext.FusedDecoder(
             config.vocab_size, config.hidden_size, config.intermediate_size, config.num_heads,
             config.num_kv_heads, config.head_dim, config.rms_norm_eps,
@@ -158,6 +160,33 @@ class CpuDecoder:
         the rows `logits_index` [S] int64 (the final norm runs on those rows only)."""
         hidden = self._run(input_ids, positions, kv_caches, meta, logits_index)  # [S, hidden]
         return self._step.logits(hidden)
+
+    def decode(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        block_tables: list[list[int]],
+        kv_caches: list[tuple[Tensor, Tensor]],
+        sliding_window: int | None,
+        greedy: bool,
+    ) -> tuple[Tensor | None, list[int]]:
+        """A step of decodes (one token a sequence, every one sampling) from plain lists, as
+        forward_logits over them computes it: sequence i's token token_ids[i] at position
+        positions[i], its K/V into slot slots[i], its block table block_tables[i]. Returns
+        (logits [S, vocab] fp32, []) or, `greedy`, (None, each row's argmax). No tensor is
+        built in Python: after the weights' stream has left the caches cold, each torch call
+        a step makes costs tens of microseconds (a batch-1 step's Python took ~0.5 ms)."""
+        if kv_caches is not self._bound_caches:
+            self._step.bind_kv_caches(kv_caches)
+            self._bound_caches = kv_caches
+        max_position = max(positions)
+        if max_position >= self._rope_len:
+            self._grow_rope_tables(max_position + 1)
+        max_blocks = max(len(table) for table in block_tables)
+        flat = [block for table in block_tables for block in table + [0] * (max_blocks - len(table))]
+        return self._step.decode(token_ids, positions, slots, flat, max_blocks, self._rope_cos, self._rope_sin,
+                                 sliding_window or 0, greedy)
 
     def forward_rows(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                      meta: AttentionMetadata, rows: Tensor) -> Tensor:
@@ -261,7 +290,7 @@ class CpuDecoder:
         rows: Tensor | None,
     ) -> Tensor:
         max_position = max(meta.seq_lens_list) - 1  # the last position any token of the step has
-        if max_position >= self._rope_cos.shape[0]:
+        if max_position >= self._rope_len:
             self._grow_rope_tables(max_position + 1)
         return self._step.forward(
             input_ids.contiguous(),
@@ -284,6 +313,7 @@ class CpuDecoder:
         cos, signed_sin = self._rotary(torch.arange(size), torch.float32)  # [P, 1, D] each
         self._rope_cos = cos.view(size, -1).contiguous()  # [P, D]
         self._rope_sin = signed_sin.view(size, -1).contiguous()  # [P, D]
+        self._rope_len = size
 
 
 def load_cpu_decoder(model: str | None, quantization: str = "auto") -> CpuDecoder:

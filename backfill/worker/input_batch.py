@@ -79,13 +79,14 @@ def build_batch(
         device=device,
         sliding_window=sliding_window,
         plan_torch_attention=plan_torch_attention,
+        leading=(input_ids, logits_index),  # in one tensor with the metadata where it can
     )
-    ids, rows = torch.tensor(input_ids + logits_index, dtype=torch.long).split([len(input_ids), len(logits_index)])
+    ids, rows = metadata.leading
     return Batch(
-        input_ids=ids.to(device),  # [T]
+        input_ids=ids,  # [T]
         positions=positions,
         metadata=metadata,
-        logits_index=rows.to(device),  # [S_sample + P + prompt rows]
+        logits_index=rows,  # [S_sample + P + prompt rows]
         sample_request_ids=sample_request_ids,
         prompt_logits_start=prompt_logits_start,
     )

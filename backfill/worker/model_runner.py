@@ -70,6 +70,9 @@ class ModelRunner:
             seed=config.seed,
         )
         self.prompt_logprobs = PromptLogprobs()
+        # Steps of decodes only on the CPU kernels run from plain lists (_execute_decodes); False:
+        # through build_batch as every other step (tests compare the two).
+        self.fast_decodes = True
         self.graph_runner: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager and isinstance(self.model, LlamaForCausalLM):
             self.graph_runner = self._capture_graphs()
@@ -180,6 +183,10 @@ class ModelRunner:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
 
         prompt_rows = self.prompt_logprobs.rows(scheduler_output.scheduled)
+        if (self.fast_decodes and isinstance(self.model, CpuDecoder) and not prompt_rows
+                and not scheduler_output.padding_seq_lens
+                and all(item.num_tokens == 1 and item.sample for item in scheduler_output.scheduled)):
+            return self._execute_decodes(scheduler_output, grammar_bitmask)
         decode = None if self.graph_runner is None or prompt_rows else decode_inputs(scheduler_output)
         if decode is not None and self.graph_runner is not None and self.graph_runner.graph_key(decode) is not None:
             return self._execute_graphed(scheduler_output, decode, grammar_bitmask)
@@ -200,14 +207,36 @@ class ModelRunner:
         if not batch.sample_request_ids:  # only partial prompt chunks (and padding) this step
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
         num_sample = len(batch.sample_request_ids)
-        sampled = self.sampler.sample(batch.sample_request_ids, logits[:num_sample],  # padding rows dropped
-                                      grammar_bitmask)
+        if logits.shape[0] > num_sample:
+            logits = logits[:num_sample]  # padding rows dropped
+        sampled = self.sampler.sample(batch.sample_request_ids, logits, grammar_bitmask)
         return ModelRunnerOutput(
             request_ids=batch.sample_request_ids,
             sampled_token_ids=sampled.token_ids,
             logprobs=sampled.logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _execute_decodes(self, scheduler_output: SchedulerOutput,
+                         grammar_bitmask: GrammarBitmask | None) -> ModelRunnerOutput:
+        """A step of decodes only (one token a sequence, each sampling) on the CPU kernels, from
+        plain lists (CpuDecoder.decode): no tensor is built for it, and plain greedy rows take
+        their argmax in the same call."""
+        assert isinstance(self.model, CpuDecoder)
+        scheduled = scheduler_output.scheduled
+        block_size = self.block_size
+        request_ids = [item.request_id for item in scheduled]
+        positions = [item.num_computed_tokens for item in scheduled]
+        tables = [item.block_ids for item in scheduled]
+        slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
+        greedy = grammar_bitmask is None and self.sampler.plain_greedy(request_ids)
+        logits, tokens = self.model.decode([item.token_ids[0] for item in scheduled], positions, slots, tables,
+                                           self.kv_caches, self.model_config.sliding_window, greedy)
+        if not greedy:
+            sampled = self.sampler.sample(request_ids, logits, grammar_bitmask)
+            return ModelRunnerOutput(request_ids=request_ids, sampled_token_ids=sampled.token_ids,
+                                     logprobs=sampled.logprobs)
+        return ModelRunnerOutput(request_ids=request_ids, sampled_token_ids=tokens)
 
     def _execute_graphed(self, scheduler_output: SchedulerOutput, decode: DecodeInputs,
                          grammar_bitmask: GrammarBitmask | None) -> ModelRunnerOutput:

@@ -190,7 +190,8 @@ class Sampler:
         )
         if not request_ids:
             return SamplerOutput(token_ids=[], logprobs=None)
-        logits = logits.float()  # [S, V]
+        if logits.dtype != torch.float32:  # (no call at all where it already is)
+            logits = logits.float()  # [S, V]
         plan = self._plan_for(request_ids)
         processed = self._process(plan, logits)  # [S, V]
         if grammar_bitmask is not None:
@@ -202,6 +203,15 @@ class Sampler:
         self._record(plan, tokens)
         logprobs = self._logprobs(plan, logits, tokens) if plan.logprobs_rows else None
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+    def plain_greedy(self, request_ids: list[str]) -> bool:
+        """Whether `sample` would take each row's argmax of the logits as they are (every row
+        greedy, nothing to apply first, no logprobs) and record nothing: a caller that computes
+        those argmaxes itself (CpuDecoder.decode) may skip `sample`."""
+        plan = self._plan_for(request_ids)
+        return (plan.all_greedy and plan.penalty_rows is None and plan.bias_index is None
+                and plan.allowed_rows is None and not plan.min_tokens_rows and not plan.bad_words_rows
+                and not plan.logprobs_rows)
 
     # -- per composition ------------------------------------------------------------------------
 

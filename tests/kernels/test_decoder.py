@@ -281,6 +281,79 @@ def test_a_bad_block_in_a_shard_raises_and_the_next_step_runs() -> None:
         torch.set_num_threads(threads)
 
 
+def decode_step(driver: PagedDriver, batch: list[tuple[str, int]], greedy: bool) -> tuple[torch.Tensor | None, list[int]]:
+    """A step of one decode a sequence through CpuDecoder.decode (its lists as the ModelRunner
+    builds them), with the driver's block tables and caches."""
+    decoder = driver.model
+    assert isinstance(decoder, CpuDecoder)
+    bs = driver.block_size
+    for request_id, _ in batch:
+        table = driver.block_tables[request_id]
+        if len(table) * bs <= driver.num_computed[request_id]:
+            table.append(driver.free_blocks.pop())
+    positions = [driver.num_computed[r] for r, _ in batch]
+    tables = [driver.block_tables[r] for r, _ in batch]
+    slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+    out = decoder.decode([token for _, token in batch], positions, slots, tables, driver.kv_caches,
+                         decoder.config.sliding_window, greedy)
+    for request_id, _ in batch:
+        driver.num_computed[request_id] += 1
+    return out
+
+
+@pytest.mark.parametrize("name", ["gqa2_hd16", "sliding_window", "qwen2_bias_hd64"])
+def test_decode_from_lists_matches_forward(name: str) -> None:
+    """CpuDecoder.decode (a step of decodes from plain lists, the ModelRunner's decode-only
+    steps) gives forward + compute_logits' logits bit for bit, writes the same KV caches, and
+    with `greedy` each row's first argmax: sequences of different lengths in shuffled block
+    tables, crossing blocks and the sliding window, in changing orders, one to three threads."""
+    model = tiny_model(name)
+    decoder, twin = CpuDecoder.from_dense(model), CpuDecoder.from_dense(model)
+    gen = torch.Generator().manual_seed(3)
+    drivers = [PagedDriver(d, num_blocks=64, block_size=8, seed=5) for d in (decoder, twin)]
+    prompts = [("a", 13), ("b", 1), ("c", 30)]
+    for driver in drivers:
+        driver.step([(r, torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(n)).tolist())
+                     for r, n in prompts])
+    threads = torch.get_num_threads()
+    try:
+        for step in range(12):
+            torch.set_num_threads(1 + step % 3)
+            order = [["a", "b", "c"], ["c", "a", "b"], ["b", "c"]][step % 3]
+            batch = [(r, int(torch.randint(0, 101, (1,), generator=gen))) for r in order]
+            expected = drivers[1].step([(r, [t]) for r, t in batch])  # [S, vocab]
+            if step % 2 == 0:
+                logits, tokens = decode_step(drivers[0], batch, greedy=False)
+                assert tokens == [] and logits is not None and torch.equal(logits, expected), f"step {step}"
+            else:
+                logits, tokens = decode_step(drivers[0], batch, greedy=True)
+                assert logits is None and tokens == expected.argmax(dim=-1).tolist(), f"step {step}"
+            for (k, v), (tk, tv) in zip(drivers[0].kv_caches, drivers[1].kv_caches):
+                assert torch.equal(k, tk) and torch.equal(v, tv), f"step {step}: KV caches differ"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_decode_refuses_bad_lists_and_the_next_step_runs() -> None:
+    """CpuDecoder.decode checks every list before it writes a cache: an unknown token id, a slot or
+    block id past the cache, lists of different lengths are refused (RuntimeError), and the next
+    good step gives the logits it would have."""
+    decoder = CpuDecoder.from_dense(tiny_model("gqa2_hd16"))
+    caches = decoder.make_kv_caches(4, 8)
+    good = ([5, 7], [3, 9], [3, 8 + 9], [[0], [1, 2]])
+    expected, _ = decoder.decode(*good, caches, None, False)
+    for bad, match in [
+        (([5, 101], *good[1:]), "input id 101 out of range"),
+        (([5, 7], [3, 9], [3, 4 * 8], good[3]), "slot 32 out of range"),
+        ((*good[:3], [[0], [1, 4]]), "block id 4 out of range"),
+        (([5], *good[1:]), "one per sequence"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            decoder.decode(*bad, caches, None, False)
+    logits, _ = decoder.decode(*good, caches, None, False)
+    assert torch.equal(logits, expected)
+
+
 def run_sequence(decoder: CpuDecoder, tokens: list[int], sizes: list[int], seed: int, companion: bool,
                  greedy: int = 0) -> tuple[list[int], dict[int, torch.Tensor]]:
     """Feeds request x's `tokens` as steps of `sizes` tokens, then `greedy` more tokens one decode
@@ -402,3 +475,38 @@ def test_drops_into_the_model_runner() -> None:
     expected = [o.token_ids for o in llm.generate(prompts, params)]
     llm.engine.runner.model = load_cpu_decoder(None)  # type: ignore[assignment]
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+
+
+def test_decode_only_steps_through_lists_match_the_batch_path() -> None:
+    """The ModelRunner runs a step of decodes only through CpuDecoder.decode (plain lists; plain
+    greedy rows take their argmax there): through the whole engine, with every kind of request
+    (greedy, seeded sampling, logprobs, penalties, min_tokens) beside chunked prompts, the tokens
+    and logprobs equal those of the same steps through build_batch."""
+    from backfill.engine.llm import LLM
+    from backfill.sampling_params import SamplingParams
+
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,"]
+    params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0, logprobs=2, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0, repetition_penalty=1.3, min_tokens=3, max_tokens=9)]
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=8, seed=0)
+    runner = llm.engine.runner
+    assert isinstance(runner.model, CpuDecoder)
+    fast_steps = []
+    execute_decodes = runner._execute_decodes
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        fast_steps.append(1)
+        return execute_decodes(*args, **kwargs)
+
+    runner._execute_decodes = counted  # type: ignore[method-assign]
+    results = {}
+    for fast in (True, False):
+        runner.fast_decodes = fast
+        fast_steps.clear()
+        outputs = [llm.generate([p], q)[0] for p, q in zip(prompts, params)]
+        outputs += llm.generate(prompts, params)  # all four at once, prompts in chunks beside decodes
+        results[fast] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+        assert (len(fast_steps) > 20) == fast, len(fast_steps)
+    assert results[True] == results[False]

@@ -215,14 +215,67 @@ class FusedDecoder {
         TORCH_CHECK(index[i] >= 0 && index[i] < num_tokens, "rows: index ", index[i], " out of range");
     }
     torch::Tensor out = torch::empty({num_out, hidden_}, torch::kFloat32);  // [R, hidden]
-    float* dst = out.data_ptr<float>();
-    const float* x = x_.data();
-    const float* w = final_norm_.data_ptr<float>();
-    at::parallel_for(0, num_out, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i)
-        elementwise_.rms_norm(x + (index == nullptr ? i : index[i]) * hidden_, w, eps_, hidden_, dst + i * hidden_);
-    });
+    final_norm(index, num_out, out.data_ptr<float>());
     return out;
+  }
+
+  // The KV caches `decode` runs on, one (k_cache, v_cache) pair per layer (checked here, once).
+  void bind_kv_caches(const std::vector<KVCache>& kv_caches) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    check_kv_caches(kv_caches);
+    bound_caches_ = kv_caches;
+  }
+
+  // A step of decodes (one token a sequence) on the bound caches, from plain lists: sequence i's
+  // token ids[i] at position positions[i] (its seq_len positions[i] + 1), its K/V into slot
+  // slots[i], its block table block_tables[i * max_blocks ..] (0-padded); cos, signed_sin and
+  // window as forward. Every row samples: returns logits [S, vocab] fp32, or with `greedy` each
+  // row's argmax (as torch.argmax: the first maximum) and no logits. The same arithmetic as
+  // forward + logits; what it saves is the Python of a step: no tensor is built to call it.
+  std::tuple<torch::Tensor, std::vector<int64_t>> decode(const std::vector<int64_t>& ids,
+                                                         const std::vector<int64_t>& positions,
+                                                         const std::vector<int64_t>& slots,
+                                                         const std::vector<int64_t>& block_tables, int64_t max_blocks,
+                                                         const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                                                         int64_t window, bool greedy) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    const int64_t num_seqs = static_cast<int64_t>(ids.size());
+    TORCH_CHECK(!bound_caches_.empty(), "decode needs bind_kv_caches first");
+    TORCH_CHECK(num_seqs > 0 && static_cast<int64_t>(positions.size()) == num_seqs &&
+                    static_cast<int64_t>(slots.size()) == num_seqs && max_blocks > 0 &&
+                    static_cast<int64_t>(block_tables.size()) == num_seqs * max_blocks,
+                "decode: ids, positions and slots one per sequence, block_tables [S * max_blocks]");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim_, "cos must be [P, head_dim]");
+    decode_seq_lens_.resize(static_cast<size_t>(num_seqs));
+    decode_query_start_.resize(static_cast<size_t>(num_seqs + 1));
+    for (int64_t i = 0; i <= num_seqs; ++i) decode_query_start_[static_cast<size_t>(i)] = i;
+    for (int64_t i = 0; i < num_seqs; ++i) decode_seq_lens_[static_cast<size_t>(i)] = positions[static_cast<size_t>(i)] + 1;
+    const StepMeta meta{num_seqs, num_seqs, decode_query_start_.data(), decode_seq_lens_.data(), block_tables.data(),
+                        max_blocks};
+    run_step({num_seqs, ids.data(), positions.data(), slots.data(), meta, fp32_data(cos, cos.numel(), "cos"),
+              fp32_data(signed_sin, cos.numel(), "signed_sin"), cos.size(0), window, &bound_caches_});
+    float* hidden = ensure(decode_hidden_, num_seqs * hidden_);  // [S, hidden]
+    final_norm(nullptr, num_seqs, hidden);
+    torch::Tensor logits;
+    float* out;
+    if (greedy) {
+      out = ensure(decode_logits_, num_seqs * vocab_);  // [S, vocab], read here only
+    } else {
+      logits = torch::empty({num_seqs, vocab_}, torch::kFloat32);
+      out = logits.data_ptr<float>();
+    }
+    const auto start = Clock::now();
+    lm_head_.run(hidden, num_seqs, hidden_, out, vocab_, false);
+    if (profile_) linear_s_ += seconds_since(start);
+    std::vector<int64_t> tokens;
+    if (greedy) {
+      tokens.resize(static_cast<size_t>(num_seqs));
+      // NOTE: a row is ~10 us; below 16 rows a second thread costs more than it saves.
+      at::parallel_for(0, num_seqs, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) tokens[static_cast<size_t>(r)] = elementwise_.argmax(out + r * vocab_, vocab_);
+      });
+    }
+    return {logits, tokens};
   }
 
   // hidden [S, hidden] fp32 (rows already selected) -> logits [S, vocab] fp32.
@@ -271,48 +324,64 @@ class FusedDecoder {
   std::string kernels() const { return std::string(elementwise_.name) + "/" + attention_.name; }
 
  private:
+  // The final RMSNorm of the last step's rows index[0 .. n) (null: rows 0 .. n) into out [n, hidden].
+  void final_norm(const int64_t* index, int64_t n, float* out) {
+    const float* x = x_.data();
+    const float* w = final_norm_.data_ptr<float>();
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        elementwise_.rms_norm(x + (index == nullptr ? i : index[i]) * hidden_, w, eps_, hidden_, out + i * hidden_);
+    });
+  }
+
   static double seconds_since(Clock::time_point start) {
     return std::chrono::duration<double>(Clock::now() - start).count();
   }
+
+  // One step's inputs as raw arrays (from tensors: run_layers; from lists: decode).
+  struct StepInputs {
+    int64_t num_tokens;
+    const int64_t* ids;    // [T]
+    const int64_t* pos;    // [T]
+    const int64_t* slots;  // [T]
+    StepMeta meta;
+    const float* cos;  // [P, D]
+    const float* sin;  // [P, D]
+    int64_t rope_positions;  // P
+    int64_t window;
+    const std::vector<KVCache>* kv_caches;  // checked (check_kv_caches)
+  };
 
   void run_layers(const torch::Tensor& input_ids, const torch::Tensor& positions, const torch::Tensor& cos,
                   const torch::Tensor& signed_sin,
                   const std::vector<KVCache>& kv_caches, const torch::Tensor& slot_mapping,
                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const torch::Tensor& query_start,
                   int64_t window) {
-    TORCH_CHECK(!layers_.empty() && embedding_.rows > 0 && final_norm_.defined(), "decoder weights are incomplete");
-    TORCH_CHECK(kv_caches.size() == layers_.size(), "one (k_cache, v_cache) pair per layer");
     const int64_t num_tokens = input_ids.numel();
-    TORCH_CHECK(num_tokens > 0, "a step needs at least one token");
-    const int64_t* ids = int64_data(input_ids, "input_ids");
-    for (int64_t i = 0; i < num_tokens; ++i)
-      TORCH_CHECK(ids[i] >= 0 && ids[i] < vocab_, "input id ", ids[i], " out of range");
-    // cos, signed_sin: [P, D] tables by position (RotaryEmbedding over 0 .. P - 1)
-    const int64_t* pos = int64_data(positions, "positions");
-    TORCH_CHECK(positions.numel() == num_tokens && cos.dim() == 2 && cos.size(1) == head_dim_,
-                "positions must be [T] and cos [P, head_dim]");
-    const float* cos_p = fp32_data(cos, cos.numel(), "cos");
-    const float* sin_p = fp32_data(signed_sin, cos.numel(), "signed_sin");
-    for (int64_t i = 0; i < num_tokens; ++i)
-      TORCH_CHECK(pos[i] >= 0 && pos[i] < cos.size(0), "position ", pos[i], " outside the RoPE table");
-    const int64_t* slots = int64_data(slot_mapping, "slot_mapping");
-    TORCH_CHECK(slot_mapping.numel() == num_tokens, "slot_mapping must hold one slot per token");
+    TORCH_CHECK(positions.numel() == num_tokens && slot_mapping.numel() == num_tokens,
+                "positions and slot_mapping must hold one value per token");
     TORCH_CHECK(block_tables.dim() == 2, "block_tables must be [S, max_blocks]");
+    TORCH_CHECK(query_start.numel() == seq_lens.numel() + 1 && block_tables.size(0) == seq_lens.numel(),
+                "query_start must be [S + 1] and block_tables [S, max_blocks]");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim_, "cos must be [P, head_dim]");
+    check_kv_caches(kv_caches);
     const StepMeta meta{num_tokens, seq_lens.numel(), int64_data(query_start, "query_start"),
                         int64_data(seq_lens, "seq_lens"), int64_data(block_tables, "block_tables"),
                         block_tables.size(1)};
-    TORCH_CHECK(query_start.numel() == meta.num_seqs + 1 && block_tables.size(0) == meta.num_seqs,
-                "query_start must be [S + 1] and block_tables [S, max_blocks]");
-    TORCH_CHECK(meta.query_start[0] == 0 && meta.query_start[meta.num_seqs] == num_tokens,
-                "query_start must run from 0 to the number of tokens");
-    for (int64_t s = 0; s < meta.num_seqs; ++s)  // what cutting into shards needs (the plans check the rest)
-      TORCH_CHECK(meta.query_start[s + 1] > meta.query_start[s], "sequence ", s, ": query length ",
-                  meta.query_start[s + 1] - meta.query_start[s]);
+    run_step({num_tokens, int64_data(input_ids, "input_ids"), int64_data(positions, "positions"),
+              int64_data(slot_mapping, "slot_mapping"), meta, fp32_data(cos, cos.numel(), "cos"),
+              fp32_data(signed_sin, cos.numel(), "signed_sin"), cos.size(0), window, &kv_caches});
+  }
 
+  // Every KV cache shaped as the decoder needs (K [num_blocks, Hkv, D, bs], V [num_blocks, Hkv,
+  // bs, D], contiguous fp32 on the CPU), one pair per layer.
+  void check_kv_caches(const std::vector<KVCache>& kv_caches) const {
+    TORCH_CHECK(!layers_.empty(), "decoder weights are incomplete");
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "one (k_cache, v_cache) pair per layer");
     const torch::Tensor& k0 = std::get<0>(kv_caches[0]);
-    const int64_t num_blocks = k0.dim() == 4 ? k0.size(0) : 0, block_size = k0.dim() == 4 ? k0.size(3) : 0;
-    TORCH_CHECK(k0.dim() == 4 && k0.size(1) == num_kv_heads_ && k0.size(2) == head_dim_ && block_size > 0,
+    TORCH_CHECK(k0.dim() == 4 && k0.size(1) == num_kv_heads_ && k0.size(2) == head_dim_ && k0.size(3) > 0,
                 "K caches must be [num_blocks, num_kv_heads, head_dim, block_size]");
+    const int64_t num_blocks = k0.size(0), block_size = k0.size(3);
     for (const KVCache& kv : kv_caches) {
       const torch::Tensor &k = std::get<0>(kv), &v = std::get<1>(kv);
       TORCH_CHECK(k.sizes() == k0.sizes() && v.dim() == 4 && v.size(0) == num_blocks && v.size(1) == num_kv_heads_ &&
@@ -323,8 +392,31 @@ class FusedDecoder {
         TORCH_CHECK(c.scalar_type() == torch::kFloat32 && c.is_contiguous() && c.device().is_cpu(),
                     "every KV cache must be a contiguous fp32 CPU tensor");
     }
+  }
+
+  // The step itself: every index checked, then every layer.
+  void run_step(const StepInputs& in) {
+    TORCH_CHECK(!layers_.empty() && embedding_.rows > 0 && final_norm_.defined(), "decoder weights are incomplete");
+    const int64_t num_tokens = in.num_tokens;
+    TORCH_CHECK(num_tokens > 0, "a step needs at least one token");
+    const int64_t *ids = in.ids, *pos = in.pos, *slots = in.slots;
+    const float *cos_p = in.cos, *sin_p = in.sin;
+    for (int64_t i = 0; i < num_tokens; ++i)
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < vocab_, "input id ", ids[i], " out of range");
+    for (int64_t i = 0; i < num_tokens; ++i)
+      TORCH_CHECK(pos[i] >= 0 && pos[i] < in.rope_positions, "position ", pos[i], " outside the RoPE table");
+    const StepMeta& meta = in.meta;
+    TORCH_CHECK(meta.query_start[0] == 0 && meta.query_start[meta.num_seqs] == num_tokens,
+                "query_start must run from 0 to the number of tokens");
+    for (int64_t s = 0; s < meta.num_seqs; ++s)  // what cutting into shards needs (the plans check the rest)
+      TORCH_CHECK(meta.query_start[s + 1] > meta.query_start[s], "sequence ", s, ": query length ",
+                  meta.query_start[s + 1] - meta.query_start[s]);
+    const std::vector<KVCache>& kv_caches = *in.kv_caches;
+    const torch::Tensor& k0 = std::get<0>(kv_caches[0]);
+    const int64_t num_blocks = k0.size(0), block_size = k0.size(3);
     for (int64_t i = 0; i < num_tokens; ++i)
       TORCH_CHECK(slots[i] >= 0 && slots[i] < num_blocks * block_size, "slot ", slots[i], " out of range");
+    const int64_t window = in.window;
     const AttentionShape shape{num_kv_heads_, head_dim_, num_heads_ / num_kv_heads_, block_size,
                                1.0f / std::sqrt(static_cast<float>(head_dim_)), window > 0 ? window : 0};
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
@@ -630,7 +722,10 @@ class FusedDecoder {
   int64_t row_shards_ = -1;
   bool team_steps_ = true;
   int64_t kv_prefetch_cap_ = l3_prefetch_cap();
-  std::vector<float> x_, xn_, qkv_, attn_, gate_up_, act_;  // scratch, see run_layers
+  std::vector<float> x_, xn_, qkv_, attn_, gate_up_, act_;  // scratch, see run_step
+  std::vector<KVCache> bound_caches_;                             // decode's (bind_kv_caches)
+  std::vector<int64_t> decode_seq_lens_, decode_query_start_;     // decode's metadata
+  std::vector<float> decode_hidden_, decode_logits_;              // decode's [S, hidden], greedy [S, vocab]
   bool profile_ = false;
   double linear_s_ = 0.0, attention_s_ = 0.0, other_s_ = 0.0;
 };
@@ -684,6 +779,9 @@ void register_decoder(pybind11::module& m) {
            arg("kv_caches"), arg("slot_mapping"), arg("block_tables"), arg("seq_lens"), arg("query_start"),
            arg("window"), arg("rows") = py::none())
       .def("logits", &FusedDecoder::logits, nogil, arg("hidden"))
+      .def("bind_kv_caches", &FusedDecoder::bind_kv_caches, nogil, arg("kv_caches"))
+      .def("decode", &FusedDecoder::decode, nogil, arg("ids"), arg("positions"), arg("slots"), arg("block_tables"),
+           arg("max_blocks"), arg("cos"), arg("signed_sin"), arg("window"), arg("greedy"))
       .def("set_profile", &FusedDecoder::set_profile, arg("on"))
       .def_property("kv_prefetch_cap", &FusedDecoder::kv_prefetch_cap, &FusedDecoder::set_kv_prefetch_cap)
       .def_property_readonly("last_kv_prefetch_blocks", &FusedDecoder::last_kv_prefetch_blocks)
