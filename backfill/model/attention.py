@@ -161,7 +161,8 @@ def build_attention_metadata(
         cpu_positions = torch.arange(num_tokens, dtype=torch.int64) + offset[seq_of_token]  # [T]
         block_of_token = cpu_tables[seq_of_token, cpu_positions // block_size]  # [T]
         cpu_slots = block_of_token * block_size + cpu_positions % block_size  # [T]
-        packed = [torch.tensor(list(values), dtype=torch.int64) for values in leading]
+        packed = list(torch.tensor([v for values in leading for v in values], dtype=torch.int64).split(
+            [len(values) for values in leading])) if leading else []
 
     def as_tensor(values: list[int] | list[list[int]]) -> Tensor:
         return torch.tensor(values, dtype=torch.int64).to(device)
