@@ -185,7 +185,8 @@ class ModelRunner:
             self.prompt_logprobs.remove(request_id)
 
     @torch.inference_mode()
-    def _execute(self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None) -> ModelRunnerOutput:
+    def _execute(self, scheduler_output: SchedulerOutput,
+                 grammar_bitmask: GrammarBitmask | None) -> ModelRunnerOutput:
         self._forget(scheduler_output.finished_request_ids)
         for item in scheduler_output.scheduled:
             if item.new_request is not None:

@@ -281,7 +281,8 @@ def test_a_bad_block_in_a_shard_raises_and_the_next_step_runs() -> None:
         torch.set_num_threads(threads)
 
 
-def decode_step(driver: PagedDriver, batch: list[tuple[str, int]], greedy: bool) -> tuple[torch.Tensor | None, list[int]]:
+def decode_step(driver: PagedDriver, batch: list[tuple[str, int]],
+                greedy: bool) -> tuple[torch.Tensor | None, list[int]]:
     """A step of one decode a sequence through CpuDecoder.decode (its lists as the ModelRunner
     builds them), with the driver's block tables and caches."""
     decoder = driver.model

@@ -248,8 +248,8 @@ class FusedDecoder {
     TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim_, "cos must be [P, head_dim]");
     decode_seq_lens_.resize(static_cast<size_t>(num_seqs));
     decode_query_start_.resize(static_cast<size_t>(num_seqs + 1));
-    for (int64_t i = 0; i <= num_seqs; ++i) decode_query_start_[static_cast<size_t>(i)] = i;
-    for (int64_t i = 0; i < num_seqs; ++i) decode_seq_lens_[static_cast<size_t>(i)] = positions[static_cast<size_t>(i)] + 1;
+    for (size_t i = 0; i <= ids.size(); ++i) decode_query_start_[i] = static_cast<int64_t>(i);
+    for (size_t i = 0; i < ids.size(); ++i) decode_seq_lens_[i] = positions[i] + 1;
     const StepMeta meta{num_seqs, num_seqs, decode_query_start_.data(), decode_seq_lens_.data(), block_tables.data(),
                         max_blocks};
     run_step({num_seqs, ids.data(), positions.data(), slots.data(), meta, fp32_data(cos, cos.numel(), "cos"),
@@ -272,7 +272,8 @@ class FusedDecoder {
       tokens.resize(static_cast<size_t>(num_seqs));
       // NOTE: a row is ~10 us; below 16 rows a second thread costs more than it saves.
       at::parallel_for(0, num_seqs, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) tokens[static_cast<size_t>(r)] = elementwise_.argmax(out + r * vocab_, vocab_);
+        for (int64_t r = begin; r < end; ++r)
+          tokens[static_cast<size_t>(r)] = elementwise_.argmax(out + r * vocab_, vocab_);
       });
     }
     return {logits, tokens};
