@@ -171,7 +171,6 @@ class ModelRunner:
         (within `grammar_bitmask` for the constrained sequences)."""
         scheduled = scheduler_output.scheduled
         if (self.fast_decodes and isinstance(self.model, CpuDecoder) and scheduled
-                and not scheduler_output.padding_seq_lens
                 and all(item.num_tokens == 1 and item.sample and item.new_request is None for item in scheduled)
                 and not self.prompt_logprobs.rows(scheduled)):
             # (no inference_mode: entering it costs ~50 us of a step whose caches are cold)
@@ -230,24 +229,33 @@ class ModelRunner:
 
     def _execute_decodes(self, scheduler_output: SchedulerOutput,
                          grammar_bitmask: GrammarBitmask | None) -> ModelRunnerOutput:
-        """A step of decodes only (one token a sequence, each sampling, none new) on the CPU
-        kernels, from plain lists (CpuDecoder.decode): no tensor is built for it, and plain
-        greedy rows take their argmax in the same call."""
+        """A step of decodes only (one token a sequence, each sampling, none new; and a static
+        batch's padding rows, as build_batch lays them out) on the CPU kernels, from plain lists
+        (CpuDecoder.decode): no tensor is built for it, and plain greedy rows take their argmax
+        in the same call."""
         assert isinstance(self.model, CpuDecoder)
         scheduled = scheduler_output.scheduled
         block_size = self.block_size
         request_ids = [item.request_id for item in scheduled]
+        token_ids = [item.token_ids[0] for item in scheduled]
         positions = [item.num_computed_tokens for item in scheduled]
         tables = [item.block_ids for item in scheduled]
+        for n in scheduler_output.padding_seq_lens:  # token 0 at position n - 1 over the scratch block
+            token_ids.append(0)
+            positions.append(n - 1)
+            tables.append([self.scratch_block] * -(-n // block_size))
         slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
         greedy = grammar_bitmask is None and self.sampler.plain_greedy(request_ids)
-        logits, tokens = self.model.decode([item.token_ids[0] for item in scheduled], positions, slots, tables,
-                                           self.kv_caches, self.model_config.sliding_window, greedy)
+        logits, tokens = self.model.decode(token_ids, positions, slots, tables, self.kv_caches,
+                                           self.model_config.sliding_window, greedy)
+        num_sample = len(scheduled)  # the padding rows' come last, dropped
         if not greedy:
+            if logits.shape[0] > num_sample:
+                logits = logits[:num_sample]
             sampled = self.sampler.sample(request_ids, logits, grammar_bitmask)
             return ModelRunnerOutput(request_ids=request_ids, sampled_token_ids=sampled.token_ids,
                                      logprobs=sampled.logprobs)
-        return ModelRunnerOutput(request_ids=request_ids, sampled_token_ids=tokens)
+        return ModelRunnerOutput(request_ids=request_ids, sampled_token_ids=tokens[:num_sample])
 
     def _execute_graphed(self, scheduler_output: SchedulerOutput, decode: DecodeInputs,
                          grammar_bitmask: GrammarBitmask | None) -> ModelRunnerOutput:

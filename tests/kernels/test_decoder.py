@@ -478,28 +478,30 @@ def test_drops_into_the_model_runner() -> None:
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
 
 
-def test_decode_only_steps_through_lists_match_the_batch_path() -> None:
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_decode_only_steps_through_lists_match_the_batch_path(policy: str) -> None:
     """The ModelRunner runs a step of decodes only through CpuDecoder.decode (plain lists; plain
     greedy rows take their argmax there): through the whole engine, with every kind of request
     (greedy, seeded sampling, logprobs, penalties, min_tokens) beside chunked prompts, the tokens
-    and logprobs equal those of the same steps through build_batch."""
+    and logprobs equal those of the same steps through build_batch; static batches too, whose
+    finished requests' slots run padding rows."""
     from backfill.engine.llm import LLM
     from backfill.sampling_params import SamplingParams
 
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,"]
-    params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=9, ignore_eos=True),
-              SamplingParams(temperature=0, logprobs=2, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0, logprobs=2, max_tokens=5, ignore_eos=True),
               SamplingParams(temperature=0, repetition_penalty=1.3, min_tokens=3, max_tokens=9)]
-    llm = LLM(max_num_seqs=4, max_num_batched_tokens=8, seed=0)
+    llm = LLM(max_num_seqs=4, max_num_batched_tokens=8, seed=0, policy=policy)
     runner = llm.engine.runner
     assert isinstance(runner.model, CpuDecoder)
     fast_steps = []
     execute_decodes = runner._execute_decodes
 
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        fast_steps.append(1)
-        return execute_decodes(*args, **kwargs)
+    def counted(scheduler_output, *args, **kwargs):  # type: ignore[no-untyped-def]
+        fast_steps.append(len(scheduler_output.padding_seq_lens))
+        return execute_decodes(scheduler_output, *args, **kwargs)
 
     runner._execute_decodes = counted  # type: ignore[method-assign]
     results = {}
@@ -510,4 +512,6 @@ def test_decode_only_steps_through_lists_match_the_batch_path() -> None:
         outputs += llm.generate(prompts, params)  # all four at once, prompts in chunks beside decodes
         results[fast] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
         assert (len(fast_steps) > 20) == fast, len(fast_steps)
+        if fast and policy == "static":
+            assert any(fast_steps), "no fast step ran padding rows"
     assert results[True] == results[False]
