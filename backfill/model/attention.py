@@ -82,8 +82,6 @@ class AttentionMetadata:
     # NOTE: a fresh multi-MB tensor per layer costs page faults (glibc hands big blocks back
     # to the OS on free); reusing one buffer made the decode gather ~5x faster on CPU.
     workspace: dict[str, Tensor] = field(default_factory=dict)
-    # The `leading` int lists of build_attention_metadata's caller, as int64 tensors on the device.
-    leading: list[Tensor] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -102,7 +100,6 @@ def build_attention_metadata(
     device: torch.device,
     sliding_window: int | None = None,
     plan_torch_attention: bool = True,
-    leading: Sequence[Sequence[int]] = (),
 ) -> tuple[Tensor, AttentionMetadata]:
     """Flatten one step's sequences into positions [T] int64 and the shared metadata.
 
@@ -112,8 +109,7 @@ def build_attention_metadata(
     With `sliding_window` W, the query at position p attends to positions p - W + 1 .. p only
     (the model's ModelConfig.sliding_window). `plan_torch_attention=False` skips the decode
     groups and prompt masks that only `paged_attention` reads (the CPU kernels' step needs the
-    tensors alone). `leading`: int lists the caller wants as int64 tensors on `device` too; they
-    come back in `meta.leading` (in one tensor with the fields where the step is decodes only).
+    tensors alone).
     """
     num_seqs = len(query_lens)
     assert len(num_computed_tokens) == num_seqs and len(block_tables) == num_seqs
@@ -136,17 +132,15 @@ def build_attention_metadata(
     padded_tables = [t + [0] * (max_blocks - len(t)) for t in block_tables]
 
     if num_tokens == num_seqs:
-        # Decodes only (one token a sequence): lists, then one tensor of every field (and the
-        # caller's `leading` lists) cut into views, faster than the vectorized path's dozen small
-        # tensor ops or a tensor a field. A batch-1 step's Python runs with the caches cold from
-        # the weights' stream, where each torch call's first use costs tens of microseconds.
-        slots = [table[p // block_size] * block_size + p % block_size
-                 for table, p in zip(block_tables, num_computed_tokens)]
-        flat = torch.tensor([v for values in leading for v in values] + num_computed_tokens + slots + seq_lens
-                            + query_start + [block for table in padded_tables for block in table], dtype=torch.int64)
-        *packed, cpu_positions, cpu_slots, cpu_seq_lens, cpu_query_start, cpu_tables = flat.split(
-            [len(values) for values in leading]
-            + [num_tokens, num_tokens, num_seqs, num_seqs + 1, num_seqs * max_blocks])  # [T], [T], [S], [S + 1], ...
+        # Decodes only (one token a sequence): lists, then one tensor of every field cut into
+        # views, faster than the vectorized path's dozen small tensor ops or a tensor a field
+        # (each call costs microseconds, more in a batch-1 step whose Python runs with the caches
+        # cold from the weights' stream).
+        slots = decode_slots(block_tables, num_computed_tokens, block_size)
+        flat = torch.tensor(num_computed_tokens + slots + seq_lens + query_start
+                            + [block for table in padded_tables for block in table], dtype=torch.int64)
+        cpu_positions, cpu_slots, cpu_seq_lens, cpu_query_start, cpu_tables = flat.split(
+            [num_tokens, num_tokens, num_seqs, num_seqs + 1, num_seqs * max_blocks])  # [T], [T], [S], [S + 1], ...
         cpu_tables = cpu_tables.view(num_seqs, max_blocks)  # [S, max_blocks]
     else:
         cpu_tables = torch.tensor(padded_tables, dtype=torch.int64)  # [S, max_blocks]
@@ -161,8 +155,6 @@ def build_attention_metadata(
         cpu_positions = torch.arange(num_tokens, dtype=torch.int64) + offset[seq_of_token]  # [T]
         block_of_token = cpu_tables[seq_of_token, cpu_positions // block_size]  # [T]
         cpu_slots = block_of_token * block_size + cpu_positions % block_size  # [T]
-        packed = list(torch.tensor([v for values in leading for v in values], dtype=torch.int64).split(
-            [len(values) for values in leading])) if leading else []
 
     def as_tensor(values: list[int] | list[list[int]]) -> Tensor:
         return torch.tensor(values, dtype=torch.int64).to(device)
@@ -179,7 +171,6 @@ def build_attention_metadata(
         seq_lens_list=seq_lens,
         block_size=block_size,
         sliding_window=sliding_window,
-        leading=[to_device(t) for t in packed],
     )
 
     if not plan_torch_attention:
@@ -228,6 +219,11 @@ def build_attention_metadata(
             )
         )
     return to_device(cpu_positions), meta  # positions: [T]
+
+
+def decode_slots(block_tables: Sequence[Sequence[int]], positions: Sequence[int], block_size: int) -> list[int]:
+    """The KV slot of each sequence's token at positions[i], through its block table."""
+    return [table[p // block_size] * block_size + p % block_size for table, p in zip(block_tables, positions)]
 
 
 def decode_visible(seq_lens: Tensor, padded_len: int, sliding_window: int | None) -> Tensor:

@@ -180,9 +180,7 @@ class CpuDecoder:
         if kv_caches is not self._bound_caches:
             self._step.bind_kv_caches(kv_caches)
             self._bound_caches = kv_caches
-        max_position = max(positions)
-        if max_position >= self._rope_len:
-            self._grow_rope_tables(max_position + 1)
+        self._ensure_rope(max(positions))
         max_blocks = max(len(table) for table in block_tables)
         flat = [block for table in block_tables for block in table + [0] * (max_blocks - len(table))]
         return self._step.decode(token_ids, positions, slots, flat, max_blocks, self._rope_cos, self._rope_sin,
@@ -289,9 +287,7 @@ class CpuDecoder:
         meta: AttentionMetadata,
         rows: Tensor | None,
     ) -> Tensor:
-        max_position = max(meta.seq_lens_list) - 1  # the last position any token of the step has
-        if max_position >= self._rope_len:
-            self._grow_rope_tables(max_position + 1)
+        self._ensure_rope(max(meta.seq_lens_list) - 1)  # the last position any token of the step has
         return self._step.forward(
             input_ids.contiguous(),
             positions.contiguous(),
@@ -305,6 +301,11 @@ class CpuDecoder:
             meta.sliding_window or 0,
             rows,
         )  # [T or S, hidden]
+
+    def _ensure_rope(self, max_position: int) -> None:
+        """RoPE tables that reach `max_position`."""
+        if max_position >= self._rope_len:
+            self._grow_rope_tables(max_position + 1)
 
     def _grow_rope_tables(self, num_positions: int) -> None:
         size = max(4096, self._rope_cos.shape[0])

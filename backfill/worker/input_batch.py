@@ -34,6 +34,15 @@ class Batch:
     prompt_logits_start: int = 0  # S_sample + P: where the prompt_rows' logits rows begin
 
 
+def padding_rows(padding_lens: Sequence[int], scratch_block: int | None,
+                 block_size: int) -> tuple[list[int], list[list[int]]]:
+    """A static batch's padding rows (SchedulerOutput.padding_seq_lens): each a dummy token at
+    position n - 1 over n tokens of `scratch_block` (its table repeats that block: a real
+    context's worth of reads). Returns (positions, block tables)."""
+    tables = [[scratch_block] * -(-n // block_size) for n in padding_lens]
+    return [n - 1 for n in padding_lens], tables  # type: ignore[return-value]
+
+
 def build_batch(
     scheduler_output: SchedulerOutput,
     block_size: int,
@@ -70,23 +79,22 @@ def build_batch(
     prompt_logits_start = len(logits_index)
     for index, count in prompt_rows:
         logits_index.extend(range(starts[index], starts[index] + count))
+    padding_positions, padding_tables = padding_rows(padding_lens, scratch_block, block_size)
     positions, metadata = build_attention_metadata(
-        num_computed_tokens=[item.num_computed_tokens for item in scheduled] + [n - 1 for n in padding_lens],
+        num_computed_tokens=[item.num_computed_tokens for item in scheduled] + padding_positions,
         query_lens=[item.num_tokens for item in scheduled] + [1] * len(padding_lens),
-        block_tables=[item.block_ids for item in scheduled]
-        + [[scratch_block] * -(-n // block_size) for n in padding_lens],  # type: ignore[list-item]
+        block_tables=[item.block_ids for item in scheduled] + padding_tables,
         block_size=block_size,
         device=device,
         sliding_window=sliding_window,
         plan_torch_attention=plan_torch_attention,
-        leading=(input_ids, logits_index),  # in one tensor with the metadata where it can
     )
-    ids, rows = metadata.leading
+    ids, rows = torch.tensor(input_ids + logits_index, dtype=torch.long).split([len(input_ids), len(logits_index)])
     return Batch(
-        input_ids=ids,  # [T]
+        input_ids=ids.to(device),  # [T]
         positions=positions,
         metadata=metadata,
-        logits_index=rows,  # [S_sample + P + prompt rows]
+        logits_index=rows.to(device),  # [S_sample + P + prompt rows]
         sample_request_ids=sample_request_ids,
         prompt_logits_start=prompt_logits_start,
     )

@@ -10,13 +10,14 @@ import torch
 from backfill.config import ConfigError, EngineConfig, default_num_kv_blocks
 from backfill.core.outputs import ModelRunnerOutput, SchedulerOutput
 from backfill import kernels
+from backfill.model.attention import decode_slots
 from backfill.model.cpu_decoder import CpuDecoder, unsupported_reason
 from backfill.model.llama import LlamaForCausalLM
 from backfill.model.loader import load_model, load_stored_weights, resolve_dtype
 from backfill.model.prepack import prepack_supported
 from backfill.model.static_decode import varlen_supported
 from backfill.worker.cuda_graph import CudaGraphRunner, DecodeInputs, decode_inputs
-from backfill.worker.input_batch import build_batch
+from backfill.worker.input_batch import build_batch, padding_rows
 from backfill.worker.prompt_logprobs import PromptLogprobs
 from backfill.worker.sampler import Sampler
 
@@ -240,11 +241,12 @@ class ModelRunner:
         token_ids = [item.token_ids[0] for item in scheduled]
         positions = [item.num_computed_tokens for item in scheduled]
         tables = [item.block_ids for item in scheduled]
-        for n in scheduler_output.padding_seq_lens:  # token 0 at position n - 1 over the scratch block
-            token_ids.append(0)
-            positions.append(n - 1)
-            tables.append([self.scratch_block] * -(-n // block_size))
-        slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
+        padding_positions, padding_tables = padding_rows(scheduler_output.padding_seq_lens, self.scratch_block,
+                                                         block_size)  # their token: 0
+        token_ids += [0] * len(padding_positions)
+        positions += padding_positions
+        tables += padding_tables
+        slots = decode_slots(tables, positions, block_size)
         greedy = grammar_bitmask is None and self.sampler.plain_greedy(request_ids)
         logits, tokens = self.model.decode(token_ids, positions, slots, tables, self.kv_caches,
                                            self.model_config.sliding_window, greedy)

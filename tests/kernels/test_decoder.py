@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from backfill import kernels
+from backfill.model.attention import decode_slots
 from backfill.model.config import ModelConfig
 from backfill.model.cpu_decoder import CpuDecoder, LinearWeights, dense_weight
 from backfill.model.quant import QuantSegment, QuantWeight
@@ -294,7 +295,7 @@ def decode_step(driver: PagedDriver, batch: list[tuple[str, int]],
             table.append(driver.free_blocks.pop())
     positions = [driver.num_computed[r] for r, _ in batch]
     tables = [driver.block_tables[r] for r, _ in batch]
-    slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+    slots = decode_slots(tables, positions, bs)
     out = decoder.decode([token for _, token in batch], positions, slots, tables, driver.kv_caches,
                          decoder.config.sliding_window, greedy)
     for request_id, _ in batch:

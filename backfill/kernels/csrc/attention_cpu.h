@@ -16,6 +16,9 @@ struct Team;  // team.h
 // whose SIMD width divides head_dim; head_dim % 4 == 0 is required).
 const DecoderKernels& elementwise_kernels();
 const DecoderKernels& attention_kernels(int64_t head_dim);
+// out[r] = the index of row r's first maximum in x [rows, cols] (torch.argmax; NaN is the
+// maximum), over torch's threads from 16 rows on.
+void argmax_each_row(const float* x, int64_t rows, int64_t cols, int64_t* out);
 
 // One step's sequences, as raw views of AttentionMetadata's int64 tensors.
 struct StepMeta {

@@ -135,13 +135,7 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   const torch::Tensor x = logits.contiguous();
   const int64_t rows = x.size(0), cols = x.size(1);
   torch::Tensor out = torch::empty({rows}, torch::kInt64);  // [S]
-  const float* src = x.data_ptr<float>();
-  int64_t* dst = out.data_ptr<int64_t>();
-  const DecoderKernels& kernels = elementwise_kernels();
-  // NOTE: a row is ~10 us; below 16 rows a second thread costs more than it saves.
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) dst[r] = kernels.argmax(src + r * cols, cols);
-  });
+  argmax_each_row(x.data_ptr<float>(), rows, cols, out.data_ptr<int64_t>());
   return out;
 }
 

@@ -264,17 +264,11 @@ class FusedDecoder {
       logits = torch::empty({num_seqs, vocab_}, torch::kFloat32);
       out = logits.data_ptr<float>();
     }
-    const auto start = Clock::now();
-    lm_head_.run(hidden, num_seqs, hidden_, out, vocab_, false);
-    if (profile_) linear_s_ += seconds_since(start);
+    run_lm_head(hidden, num_seqs, hidden_, out);
     std::vector<int64_t> tokens;
     if (greedy) {
       tokens.resize(static_cast<size_t>(num_seqs));
-      // NOTE: a row is ~10 us; below 16 rows a second thread costs more than it saves.
-      at::parallel_for(0, num_seqs, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r)
-          tokens[static_cast<size_t>(r)] = elementwise_.argmax(out + r * vocab_, vocab_);
-      });
+      argmax_each_row(out, num_seqs, vocab_, tokens.data());
     }
     return {logits, tokens};
   }
@@ -285,10 +279,8 @@ class FusedDecoder {
                     hidden.size(1) == hidden_ && hidden.stride(1) == 1,
                 "hidden must be [S, ", hidden_, "] fp32 with unit inner stride");
     torch::Tensor out = torch::empty({hidden.size(0), vocab_}, torch::kFloat32);  // [S, vocab]
-    const auto start = Clock::now();
     if (hidden.size(0) > 0)
-      lm_head_.run(hidden.data_ptr<float>(), hidden.size(0), hidden.stride(0), out.data_ptr<float>(), vocab_, false);
-    if (profile_) linear_s_ += seconds_since(start);
+      run_lm_head(hidden.data_ptr<float>(), hidden.size(0), hidden.stride(0), out.data_ptr<float>());
     return out;
   }
 
@@ -325,6 +317,13 @@ class FusedDecoder {
   std::string kernels() const { return std::string(elementwise_.name) + "/" + attention_.name; }
 
  private:
+  // logits out [n, vocab] of the normed rows hidden [n, hidden] (row stride ld), timed as a linear.
+  void run_lm_head(const float* hidden, int64_t n, int64_t ld, float* out) {
+    const auto start = Clock::now();
+    lm_head_.run(hidden, n, ld, out, vocab_, false);
+    if (profile_) linear_s_ += seconds_since(start);
+  }
+
   // The final RMSNorm of the last step's rows index[0 .. n) (null: rows 0 .. n) into out [n, hidden].
   void final_norm(const int64_t* index, int64_t n, float* out) {
     const float* x = x_.data();
