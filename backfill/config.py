@@ -18,6 +18,7 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # Hugging Face folder's as fp32, "none" expands everything to `dtype` (the reference path),
 # "int8" / "fp16" store the matrices weight-only in Q8_0 blocks / fp16.
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "fp16")
+ACTIVATION_QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
 # Per device: units of prompt work a step may add while other requests decode (see
 # EngineConfig.prefill_budget). On a CPU a step's cost grows linearly with its tokens: a decode
 # step of 8 streams costs ~9 token-units there, so 16 more keep a chunked step within ~3x of a
@@ -66,6 +67,10 @@ class EngineConfig:
     # `quantization` the weights' storage. On CPU the weights-as-stored kernels compute in fp32.
     dtype: str = "auto"  # auto: bfloat16 where the device computes it natively, else float32
     quantization: str = "auto"
+    # Opt-in, not exact: "int8" quantizes the activations entering the layers' 4-bit linears
+    # (Q4_0, Q4_1, Q4_K) per 32-value block, as llama.cpp's Q8 activations do, for integer dot
+    # products (CPU kernels only; `backfill bench divergence` measures what it changes).
+    activation_quantization: str = "none"
     device: str = "cpu"
     seed: int = 0  # seeds the unseeded sampling stream, so a whole run is reproducible
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
@@ -129,6 +134,9 @@ class EngineConfig:
         add("--quantization", choices=QUANTIZATIONS,
             help="weight storage: auto (a GGUF's matrices as stored, a folder's as fp32), none (expanded "
                  "to --dtype), int8 (Q8_0 blocks), fp16; weight-only")
+        add("--activation-quantization", choices=ACTIVATION_QUANTIZATIONS,
+            help="none (fp32 activations: exact); int8: the 4-bit linears' inputs quantized per 32 values "
+                 "(faster on CPU, not exact: see `backfill bench divergence`)")
         add("--device", help="cpu or cuda[:N]")
         add("--seed", type=int, help="seeds the sampling of requests without a seed of their own")
         add("--num-threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -192,6 +200,9 @@ class EngineConfig:
             raise ValueError(f"prefill_budget must be a non-negative integer or None, got {self.prefill_budget!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.activation_quantization not in ACTIVATION_QUANTIZATIONS:
+            raise ValueError(f"activation_quantization must be one of {ACTIVATION_QUANTIZATIONS}, "
+                             f"got {self.activation_quantization!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if not isinstance(self.priority_aging_steps, int) or self.priority_aging_steps < 1:

@@ -1,4 +1,4 @@
-"""`backfill bench ...`: workload | serve | offline | compare | roofline | structured.
+"""`backfill bench ...`: workload | serve | offline | compare | roofline | structured | divergence.
 
 The `backfill` CLI calls `add_bench_subparser` and `run_bench`; `python -m backfill.bench.cli`
 runs the same commands on their own. Heavy imports (torch, the engine) happen inside the
@@ -173,6 +173,17 @@ def add_bench_subparser(subparsers: Any) -> None:
     roofline.add_argument("--result-file", default=None)
     # The measured engine runs every batch size with prompts in as fast as they come.
     _add_engine_arguments(roofline, exclude=("policy", "static_padding", "max_num_seqs", "prefill_budget"))
+
+
+    divergence = commands.add_parser(
+        "divergence", help="what --activation-quantization int8 changes: greedy agreement and logit error vs fp32")
+    divergence.add_argument("--num-prompts", type=int, default=32)
+    divergence.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
+    divergence.add_argument("--prompt-words", type=int, nargs=2, default=[8, 160], metavar=("MIN", "MAX"),
+                            help="words per prompt, drawn uniformly")
+    divergence.add_argument("--result-file", default=None)
+    _add_engine_arguments(divergence, exclude=("policy", "static_padding", "activation_quantization", "device",
+                                               "dtype"))
 
 
 def _add_common_report_arguments(parser: argparse.ArgumentParser) -> None:
@@ -439,11 +450,30 @@ def _cmd_structured(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_divergence(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from backfill.bench.divergence import format_divergence, measure_divergence
+    from backfill.bench.roofline import describe_host
+
+    _set_threads(args)
+    if args.num_prompts < 1 or args.max_tokens < 1:
+        raise ValueError("--num-prompts and --max-tokens must be at least 1")
+    if not 1 <= args.prompt_words[0] <= args.prompt_words[1]:
+        raise ValueError(f"--prompt-words: need 1 <= MIN <= MAX, got {args.prompt_words}")
+    result = measure_divergence(EngineConfig.from_cli_args(args), args.num_prompts, args.max_tokens, args.seed,
+                                tuple(args.prompt_words))
+    print(format_divergence(result))
+    _write_json(_result_path(args, "divergence"), {"host": describe_host(), **asdict(result)})
+    return 0
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the `bench` sub-command chosen in `args`; returns the process exit code."""
     handlers = {
         "workload": _cmd_workload, "serve": _cmd_serve, "offline": _cmd_offline,
         "compare": _cmd_compare, "roofline": _cmd_roofline, "structured": _cmd_structured,
+        "divergence": _cmd_divergence,
     }
     try:
         if getattr(args, "plot", False):

@@ -5,8 +5,9 @@ kernel alone vs the Python paged attention.
     python -m backfill.bench.decoder_step [--batches 1 8 32] [--context 128] [--repeats 5] [--threads N]
 
 A step is forward + LM head over the last row of each sequence, every sequence decoding one
-token after `context` cached tokens. The fused step runs twice: on the GGUF's own blocks
-(Q4_1 / Q8_0, the product path) and on F32 blocks (CpuDecoder.from_dense). Its time is split
+token after `context` cached tokens. The fused step runs three ways: on the GGUF's own blocks
+(Q4_1 / Q8_0, the product path), the same with int8 activations (the opt-in
+`--activation-quantization int8`), and on F32 blocks (CpuDecoder.from_dense). Its time is split
 into linears (LM head included), attention and the rest (norms, RoPE + KV write, SiLU,
 embedding), measured inside the C++ step; the Python path's row shows its linears timed alone
 and the rest (total - linears). Figures are min / median over interleaved repeats. Last, a
@@ -43,6 +44,7 @@ def bench_steps(batches: list[int], context: int, repeats: int, block_size: int 
     model.prepack_weights()
     config, state = load_stored_weights(None)
     fused_q = CpuDecoder(config, state)
+    fused_i8 = CpuDecoder(config, state, activation_quantization="int8")  # opt-in, not exact
     print(f"fused step kernels: {fused_q.kernels} (linears: {kernels.extension().isa()}), "
           f"{torch.get_num_threads()} threads, context {context}")
     blocks_per_seq = -(-(context + 1) // block_size)
@@ -54,7 +56,8 @@ def bench_steps(batches: list[int], context: int, repeats: int, block_size: int 
         input_ids = torch.randint(0, config.vocab_size, (batch,))  # [B]
         rows = torch.arange(batch)  # [B], every row samples
         caches = {name: m.make_kv_caches(batch * blocks_per_seq, block_size)
-                  for name, m in (("python", model), ("fused-q", fused_q), ("fused-f32", fused_f32))}
+                  for name, m in (("python", model), ("fused-q", fused_q), ("fused-q-int8", fused_i8),
+                                  ("fused-f32", fused_f32))}
         for cache in caches.values():
             for k, v in cache:
                 k.normal_()
@@ -68,8 +71,8 @@ def bench_steps(batches: list[int], context: int, repeats: int, block_size: int 
         def fused_step(decoder: CpuDecoder, name: str) -> Callable[[], object]:
             return lambda: decoder.forward_logits(input_ids, positions, caches[name], meta, rows)
 
-        steps = {"python": python_step, "fused-q": fused_step(fused_q, "fused-q"),
-                 "fused-f32": fused_step(fused_f32, "fused-f32")}
+        decoders = {"fused-q": fused_q, "fused-q-int8": fused_i8, "fused-f32": fused_f32}
+        steps = {"python": python_step, **{name: fused_step(d, name) for name, d in decoders.items()}}
         for step in steps.values():  # warm-up: scratch buffers, caches
             step()
         results: dict[str, list[float]] = {name: [] for name in steps}
@@ -80,7 +83,7 @@ def bench_steps(batches: list[int], context: int, repeats: int, block_size: int 
         for name, times in results.items():
             split = f"{linears * 1e3:8.2f} {'':>10} {(min(times) - linears) * 1e3:7.2f}" if name == "python" else ""
             if name != "python":
-                decoder = fused_q if name == "fused-q" else fused_f32
+                decoder = decoders[name]
                 decoder.set_profile(True)
                 steps[name]()
                 prof = decoder.profile()

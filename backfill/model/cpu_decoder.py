@@ -53,7 +53,8 @@ class CpuDecoder:
     a step runs.
     """
 
-    def __init__(self, config: ModelConfig, state: Mapping[str, LinearWeights]) -> None:
+    def __init__(self, config: ModelConfig, state: Mapping[str, LinearWeights],
+                 activation_quantization: str = "none") -> None:
         """`state`, in our parameter names (loader._fuse's), per layer i:
         `layers.{i}.input_layernorm.weight`, `layers.{i}.post_attention_layernorm.weight`
         fp32 [hidden]; `layers.{i}.self_attn.qkv_proj.weight` (rows [q | k | v], q/k already in
@@ -62,7 +63,10 @@ class CpuDecoder:
         `layers.{i}.self_attn.o_proj.weight`, `layers.{i}.mlp.gate_up_proj.weight` (rows
         [gate | up]), `layers.{i}.mlp.down_proj.weight`; and `embed_tokens.weight`,
         `norm.weight` fp32 [hidden], `lm_head.weight` (untied models only). Linears and the
-        embedding are LinearWeights (see the module docstring)."""
+        embedding are LinearWeights (see the module docstring). `activation_quantization`
+        "int8": the layers' 4-bit linears take their input quantized to int8 per 32 values
+        (csrc/q8.h; opt-in, not exact), "none": fp32 throughout."""
+
         reason = unsupported_reason(config)
         if reason is not None:
             raise RuntimeError(f"CpuDecoder: {reason}")
@@ -109,6 +113,19 @@ class CpuDecoder:
                 None if bias is None else _norm(bias),  # type: ignore[arg-type]
                 *linears[1:],
             )
+        self.activation_quantization = activation_quantization
+
+    @property
+    def activation_quantization(self) -> str:
+        """"int8": the layers' 4-bit linears take their input quantized to int8 per 32 values
+        (csrc/q8.h; opt-in, not exact); "none": fp32 throughout. Settable between steps."""
+        return "int8" if self._step.q8_activations else "none"
+
+    @activation_quantization.setter
+    def activation_quantization(self, mode: str) -> None:
+        if mode not in ("none", "int8"):
+            raise ValueError(f"activation_quantization must be 'none' or 'int8', got {mode!r}")
+        self._step.q8_activations = mode == "int8"
 
     @classmethod
     def from_dense(cls, model: LlamaForCausalLM) -> CpuDecoder:
@@ -276,8 +293,12 @@ class CpuDecoder:
 
     @property
     def kernels(self) -> str:
-        """The instruction sets the step runs: "<norms, SiLU>/<attention>", e.g. "avx512/avx512"."""
-        return str(self._step.kernels())
+        """The instruction sets the step runs: "<norms, SiLU>/<attention>", e.g. "avx512/avx512",
+        and with int8 activations "+int8 x (<their kernels' ISA>)"."""
+        ext = kernels.extension()
+        assert ext is not None
+        suffix = f"+int8 x ({ext.q8_isa()})" if self.activation_quantization == "int8" else ""
+        return str(self._step.kernels()) + suffix
 
     def _run(
         self,

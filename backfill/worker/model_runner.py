@@ -100,16 +100,24 @@ class ModelRunner:
             model_config, state = load_stored_weights(config.model, config.quantization) if kernels.available() else (None, None)
             reason = "the CPU kernels extension is not available" if model_config is None else unsupported_reason(model_config)
             if reason is None:
-                decoder = CpuDecoder(model_config, state)  # type: ignore[arg-type]
+                decoder = CpuDecoder(model_config, state,  # type: ignore[arg-type]
+                                     activation_quantization=config.activation_quantization)
                 logger.info("CPU kernels (%s): %.1f MB of weights read per step", decoder.kernels,
                             decoder.weight_bytes_per_step / 1e6)
                 return decoder
             if config.quantization != "auto":
                 raise ConfigError(f"quantization={config.quantization!r} needs the CPU kernels: {reason}")
+            if config.activation_quantization != "none":
+                raise ConfigError(f"activation_quantization={config.activation_quantization!r} needs the CPU "
+                                  f"kernels: {reason}")
             logger.warning("%s: running the plain-PyTorch model with expanded weights", reason)
         elif config.quantization not in ("auto", "none"):
             raise ConfigError(f"quantization={config.quantization!r} runs on the CPU kernels only "
                              f"(device {config.device}, dtype {config.dtype}); use 'auto' or 'none'")
+        if config.activation_quantization != "none" and not wants_cpu_kernels(config):
+            raise ConfigError(f"activation_quantization={config.activation_quantization!r} runs on the CPU "
+                              f"kernels only (device {config.device}, dtype {config.dtype}, quantization "
+                              f"{config.quantization})")
         dtype = resolve_dtype(config.dtype, self.device)
         model = load_model(config.model, dtype, self.device)
         if config.prepack_weights and prepack_supported(dtype, self.device):

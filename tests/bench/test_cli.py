@@ -72,3 +72,16 @@ def test_structured_command_runs_equal_work_with_and_without_grammars(tmp_path: 
     # every request makes exactly max_tokens tokens in both runs: the grammar never ends one early
     assert data["output_tokens_per_run"] == [4 * 12, 4 * 12]
     assert data["mask_us_per_row"] > 0 and len(data["ratios"]) == 1 and "median ratio" in proc.stdout
+
+
+def test_divergence_command_measures_int8_against_fp32(tmp_path: Path) -> None:
+    out = tmp_path / "divergence.json"
+    proc = _bench("divergence", "--num-prompts", "3", "--max-tokens", "6", "--prompt-words", "5", "20",
+                  "--result-file", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["num_prompts"] == 3 and 0 <= data["same_outputs"] <= 3 and 0 <= data["mean_agreed_share"] <= 1
+    # teacher-forced over every prompt token and output token: the error is measured, not zero
+    assert data["positions"] > 3 * 5 and 0 < data["max_abs_logit_error"] < data["max_abs_logit"]
+    assert 0 < data["mean_abs_logit_error"] <= data["max_abs_logit_error"] and 0 < data["argmax_agreement"] <= 1
+    assert "greedy agreement:" in proc.stdout and "max |error|" in proc.stdout and "int8 x (" in proc.stdout

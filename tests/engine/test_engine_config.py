@@ -21,7 +21,7 @@ VALUES: dict[str, Any] = {
     "num_kv_blocks": 7, "block_size": 8, "max_model_len": 512, "dtype": "bfloat16", "quantization": "int8",
     "device": "cuda:1", "seed": 5, "num_threads": 2, "prefill_budget": 0, "static_padding": False,
     "prepack_weights": False, "enable_prefix_caching": False, "scheduling_policy": "priority",
-    "priority_aging_steps": 7, "request_timeout": 2.5, "enforce_eager": True,
+    "priority_aging_steps": 7, "request_timeout": 2.5, "enforce_eager": True, "activation_quantization": "int8",
 }
 
 

@@ -70,8 +70,9 @@ int64_t packed_size(int64_t qtype, int64_t rows, int64_t cols) {
 // stride) receives it in place, added to when `accumulate`.
 torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& packed, int64_t qtype, int64_t rows, int64_t cols,
                       const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& out,
-                      bool accumulate) {
-  const PackedMatrix w = as_packed(packed, qtype, rows, cols);
+                      bool accumulate, bool q8_activations) {
+  PackedMatrix w = as_packed(packed, qtype, rows, cols);
+  w.q8_activations = q8_activations;
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2, "x must be 2-D fp32 on CPU");
   TORCH_CHECK(x.size(1) == cols && x.stride(1) == 1, "x must be [M, ", cols, "] with unit inner stride");
   const float* b = nullptr;
@@ -246,7 +247,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether zeros_hugepages maps 2 MiB-aligned, MADV_HUGEPAGE memory (Linux, BACKFILL_HUGEPAGES != 0)");
   m.def("qlinear", &backfill::qlinear, "y = x @ W^T (+ bias) (+ out if accumulate), W packed", py::arg("x"),
         py::arg("packed"), py::arg("qtype"), py::arg("rows"), py::arg("cols"), py::arg("bias") = py::none(),
-        py::arg("out") = py::none(), py::arg("accumulate") = false);
+        py::arg("out") = py::none(), py::arg("accumulate") = false, py::arg("q8_activations") = false);
+  m.def("q8_isa", &backfill::q8_isa,
+        "the int8-activation kernels' instruction set: avx512vnni, avx2 or scalar (the same numbers on each)");
   m.def("dequantize", &backfill::dequantize, "raw GGUF rows as fp32 (scalar reference)", py::arg("raw"),
         py::arg("qtype"), py::arg("cols"), py::arg("rows") = py::none());
   m.def("dequantize_packed", &backfill::dequantize_packed, "packed rows as fp32", py::arg("packed"),

@@ -188,8 +188,21 @@ class FusedDecoder {
                        make_linear(o_proj, c10::nullopt, hidden_, num_heads_ * head_dim_, "o_proj"),
                        make_linear(gate_up, c10::nullopt, 2 * intermediate_, hidden_, "gate_up_proj"),
                        make_linear(down, c10::nullopt, hidden_, intermediate_, "down_proj")});
-    const Layer& l = layers_.back();
-    for (const Linear* lin : {&l.qkv, &l.o_proj, &l.gate_up, &l.down}) layer_weights_ += lin->rows * lin->cols;
+    Layer& l = layers_.back();
+    for (Linear* lin : {&l.qkv, &l.o_proj, &l.gate_up, &l.down}) {
+      layer_weights_ += lin->rows * lin->cols;
+      for (Linear::Segment& s : lin->segments) s.matrix.q8_activations = q8_activations_;
+    }
+  }
+
+  // Opt-in: the layers' linears of the 4-bit types compute with x quantized to int8 (q8.h); the
+  // embedding and the LM head stay exact. Not for use mid-step.
+  bool q8_activations() const { return q8_activations_; }
+  void set_q8_activations(bool on) {
+    q8_activations_ = on;
+    for (Layer& l : layers_)
+      for (Linear* lin : {&l.qkv, &l.o_proj, &l.gate_up, &l.down})
+        for (Linear::Segment& s : lin->segments) s.matrix.q8_activations = on;
   }
 
   // Runs every layer over the step's T tokens, writing their K/V into `kv_caches`; returns the
@@ -719,6 +732,7 @@ class FusedDecoder {
   int64_t last_shards_ = 0;
   std::vector<int64_t> shard_cost_, shard_ends_;  // plan_shards' scratch
   int64_t layer_weights_ = 0;                     // weights of every layer's linears (the LM head not)
+  bool q8_activations_ = false;                   // (set_q8_activations)
   int64_t row_shards_ = -1;
   bool team_steps_ = true;
   int64_t kv_prefetch_cap_ = l3_prefetch_cap();
@@ -788,6 +802,7 @@ void register_decoder(pybind11::module& m) {
       .def_property("row_shards", &FusedDecoder::row_shards, &FusedDecoder::set_row_shards)
       .def_property_readonly("last_shards", &FusedDecoder::last_shards)
       .def_property("team_steps", &FusedDecoder::team_steps, &FusedDecoder::set_team_steps)
+      .def_property("q8_activations", &FusedDecoder::q8_activations, &FusedDecoder::set_q8_activations)
       .def("profile", &FusedDecoder::profile)
       .def("kernels", &FusedDecoder::kernels);
   m.def("paged_attention", &paged_attention_cpu, nogil, "paged attention of one step (fused decoder's kernels)",

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "q8.h"
 #include "qgemm.h"
 #include "repack.h"
 #include "team.h"
@@ -59,6 +60,44 @@ Isa isa() {
   return static_cast<Isa>(v);
 }
 
+bool cpu_has_vnni() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+// The int8-activation kernels of one ISA: x's quantization and the GEMM.
+struct Q8Kernels {
+  void (*quantize)(const float*, int64_t, int64_t, int64_t, uint8_t*, float*, float*);
+  void (*gemm)(const Q8Job&);
+};
+
+Q8Kernels q8_kernels() {
+  static const bool vnni = cpu_has_vnni();
+  switch (isa()) {
+    case Isa::Avx512: return vnni ? Q8Kernels{quantize_rows_q8_avx512, q8_gemm_avx512vnni}
+                                  : Q8Kernels{quantize_rows_q8_avx2, q8_gemm_avx2};
+    case Isa::Avx2: return {quantize_rows_q8_avx2, q8_gemm_avx2};
+    case Isa::Scalar: break;
+  }
+  return {quantize_rows_q8, q8_gemm_scalar};
+}
+
+// x's int8 form for the calling thread (each member of a team quantizes for itself: no barrier),
+// kept between calls.
+Q8Rows quantize_x(const Q8Kernels& kernels, const float* x, int64_t m, int64_t ldx, int64_t cols) {
+  thread_local std::vector<uint8_t> q;
+  thread_local std::vector<float> ds;
+  const int64_t nb = cols / 32;
+  if (static_cast<int64_t>(q.size()) < m * cols) q.resize(static_cast<size_t>(m * cols));
+  if (static_cast<int64_t>(ds.size()) < 2 * m * nb) ds.resize(static_cast<size_t>(2 * m * nb));
+  kernels.quantize(x, m, ldx, cols, q.data(), ds.data(), ds.data() + m * nb);
+  return Q8Rows{q.data(), ds.data(), ds.data() + m * nb, m, nb};
+}
+
 using JobFn = void (*)(const TileJob&);
 
 JobFn job_fn() {
@@ -97,6 +136,8 @@ bool set_active_isa(const char* name) {
   return true;
 }
 
+const char* q8_isa() { return q8_kernels().gemm == q8_gemm_avx512vnni ? "avx512vnni" : active_isa(); }
+
 int64_t packed_bytes(QType type, int64_t rows, int64_t cols) { return num_tiles(rows) * tile_bytes(type, cols); }
 
 void repack(const QMatrix& raw, uint8_t* out) {
@@ -106,6 +147,15 @@ void repack(const QMatrix& raw, uint8_t* out) {
 void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, const float* bias, float* y,
                  int64_t ldy, bool accumulate, const SidePrefetch* side, const Team* team) {
   if (m <= 0 || w.rows <= 0) return;
+  if (w.q8_activations && q8_activation_type(w.type)) {
+    const Q8Kernels kernels = q8_kernels();
+    const Q8Rows xq = quantize_x(kernels, x, m, ldx, w.cols);
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (kTileRows * w.cols * m));
+    for_share(team, num_tiles(w.rows), grain, [&](int64_t begin, int64_t end) {
+      kernels.gemm(Q8Job{xq, w.data, w.type, w.rows, w.cols, bias, y, ldy, accumulate, begin, end});
+    });
+    return;
+  }
   const JobFn fn = job_fn();
   // Threads take contiguous ranges of whole tiles: no output is shared, none depends on the split.
   // A range is worth a thread from ~100k weight-uses on (dequantization counted as two rows).

@@ -41,12 +41,19 @@ struct PackedMatrix {
   QType type;
   int64_t rows;
   int64_t cols;
+  // Opt-in: x quantized to int8 per 32-column block for this matrix's products (q8.h), where
+  // its type allows it (q8_activation_type); not exact, and not batch-dependent either.
+  bool q8_activations = false;
 };
 
 // Bytes the packed form of a [rows, cols] matrix of `type` takes.
 int64_t packed_bytes(QType type, int64_t rows, int64_t cols);
 // raw: rows x w.row_bytes in GGUF layout -> out: packed_bytes(...) bytes.
 void repack(const QMatrix& raw, uint8_t* out);
+
+// Whether this CPU runs the int8-activation kernels with VNNI ("avx512vnni") or without
+// ("avx2", "scalar"): the numbers are the same.
+const char* q8_isa();
 
 // y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T (+ bias[N]) (+ y if accumulate).
 // Multi-threaded over torch's intra-op pool. Batch invariant: y[i, n] does not depend on M,

@@ -87,7 +87,21 @@ AI float vf_block_tree(VF a) {
 // it is never reached here; all columns are left to pack_x's scalar copy.
 AI int64_t pack_x16(const float*, int64_t, int64_t, float*) { return 0; }
 
+AI VI vi_zero() { return VI{_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+// The int8-activation dot (q8_kernels.h): vpmaddubsw (unsigned codes <= 15 times int8 x, pairs
+// summed to int16: |sum| <= 2 * 15 * 128, never saturating), then vpmaddwd by ones to int32.
+AI VI vq_dot(VI acc, VI a, int32_t word) {
+  const __m256i x = _mm256_set1_epi32(word), ones = _mm256_set1_epi16(1);
+  return VI{_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(a.lo, x), ones)),
+            _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(a.hi, x), ones))};
+}
+
 #undef AI
+
+// The int8-activation kernels' blocking: one row 2 tiles, more rows 1 tile x 2 rows.
+constexpr int kQ8NT1 = 2;
+constexpr int kQ8NT = 1;
+constexpr int kQ8MR = 2;
 
 // Blocking (16 ymm): fused MR x NT x 2 accumulators; panels (9+ rows) run 6 x 16 (12
 // accumulators, 2 weight registers, a broadcast).
@@ -109,9 +123,49 @@ constexpr int64_t kPanelKc = 256;  // a panel of 16 KB
 }  // namespace backfill
 
 #include "qgemm_kernels.h"
+#include "q8_kernels.h"
 
 namespace backfill {
 
 void packed_gemm_avx2(const TileJob& job) { run_packed_gemm(job); }
+void q8_gemm_avx2(const Q8Job& job) { run_q8_gemm(job); }
+
+void quantize_rows_q8_avx2(const float* x, int64_t m, int64_t ldx, int64_t cols, uint8_t* q, float* d, float* s) {
+  const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // (q8_dot_column)
+  const __m256i unlane = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const int64_t nb = cols / 32;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t b = 0; b < nb; ++b, q += 32, ++d, ++s) {
+      const float* xb = x + i * ldx + 32 * b;
+      __m256 v[4], amax = _mm256_setzero_ps(), unord = _mm256_setzero_ps();
+      for (int g = 0; g < 4; ++g) {
+        v[g] = _mm256_loadu_ps(xb + 8 * g);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[g]));
+        unord = _mm256_or_ps(unord, _mm256_cmp_ps(v[g], v[g], _CMP_UNORD_Q));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+      const float scale = q8_scale(_mm256_movemask_ps(unord) != 0 ? __builtin_nanf("") : _mm_cvtss_f32(m4));
+      const __m256 inv = _mm256_set1_ps(q8_inverse(scale));
+      __m256i r[4], sum = _mm256_setzero_si256();
+      for (int g = 0; g < 4; ++g) {
+        __m256 t = _mm256_mul_ps(_mm256_permutevar8x32_ps(v[g], order), inv);
+        t = _mm256_and_ps(_mm256_min_ps(_mm256_max_ps(t, lo), hi), _mm256_cmp_ps(t, t, _CMP_ORD_Q));
+        r[g] = _mm256_cvtps_epi32(t);  // round to nearest even (the default MXCSR)
+        sum = _mm256_add_epi32(sum, r[g]);
+      }
+      const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(w, unlane));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      *d = scale;
+      *s = scale * static_cast<float>(_mm_cvtsi128_si32(s4));
+    }
+  }
+}
 
 }  // namespace backfill

@@ -153,23 +153,24 @@ struct DqQ4_K {
       BF_UNROLL for (int t = 0; t < NT; ++t) qs[t] = tiles[t] + b * 2304 + tile_off::kQ4_KQs + 4 * 64 * j;
       nibble_codes<NT>(qs, s * 32, code);
       VF d1[NT], m1[NT];
-      BF_UNROLL for (int t = 0; t < NT; ++t) {
-        const uint8_t* blk = tiles[t] + b * 2304;
-        const uint8_t* sc = blk + tile_off::kQ4_KScales;  // [12][16] bytes
-        VI scj, mj;
-        if (j < 4) {
-          scj = vi_and(vi_load_u8(sc + 16 * j), 63);
-          mj = vi_and(vi_load_u8(sc + 16 * (j + 4)), 63);
-        } else {
-          const VI hi = vi_load_u8(sc + 16 * (j + 4));
-          scj = vi_or_and(vi_sll<4>(vi_srl<6>(vi_load_u8(sc + 16 * (j - 4)))), hi, 0xF);
-          mj = vi_or_and(vi_srl<4>(hi), vi_sll<4>(vi_srl<6>(vi_load_u8(sc + 16 * j))), 0x30);
-        }
-        d1[t] = vf_mul(vf_load_f16(blk), vi_to_f(scj));
-        m1[t] = vf_mul(vf_load_f16(blk + tile_off::kQ4_KDmin), vf_mul(vi_to_f(mj), vf_set1(-1.0f)));
-      }
+      BF_UNROLL for (int t = 0; t < NT; ++t) scales(tiles[t] + b * 2304, j, &d1[t], &m1[t]);
       fold(s, d1, m1);
     }
+  }
+  // Sub-block j's d_j and m_j of the 16 rows of the tile block at blk.
+  BF_AI static void scales(const uint8_t* blk, int j, VF* d, VF* m) {
+    const uint8_t* sc = blk + tile_off::kQ4_KScales;  // [12][16] bytes
+    VI scj, mj;
+    if (j < 4) {
+      scj = vi_and(vi_load_u8(sc + 16 * j), 63);
+      mj = vi_and(vi_load_u8(sc + 16 * (j + 4)), 63);
+    } else {
+      const VI hi = vi_load_u8(sc + 16 * (j + 4));
+      scj = vi_or_and(vi_sll<4>(vi_srl<6>(vi_load_u8(sc + 16 * (j - 4)))), hi, 0xF);
+      mj = vi_or_and(vi_srl<4>(hi), vi_sll<4>(vi_srl<6>(vi_load_u8(sc + 16 * j))), 0x30);
+    }
+    *d = vf_mul(vf_load_f16(blk), vi_to_f(scj));
+    *m = vf_mul(vf_load_f16(blk + tile_off::kQ4_KDmin), vf_mul(vi_to_f(mj), vf_set1(-1.0f)));
   }
 };
 
@@ -229,8 +230,9 @@ BF_AI void block_sums(const float* x, int64_t cols, int64_t qb, float* out, int6
 // Epilogue: y[row0 + i, 16 (tile0 + t) ..] = acc (+ bias) (+ y if accumulate), the last tile cut
 // at N.
 
-template <int MR, int NT>
-BF_AI void store_acc(const VF (&acc)[MR][NT], const TileJob& job, int64_t row0, int64_t tile0) {
+// (Job: a TileJob or a Q8Job, q8.h: the fields read here are the same.)
+template <int MR, int NT, class Job>
+BF_AI void store_acc(const VF (&acc)[MR][NT], const Job& job, int64_t row0, int64_t tile0) {
   // the job's fields in locals: stores through y may alias job as far as the compiler knows,
   // which would reload (and re-test) them row by row
   const float* const bias_p = job.bias;
