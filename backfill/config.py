@@ -67,9 +67,10 @@ class EngineConfig:
     # `quantization` the weights' storage. On CPU the weights-as-stored kernels compute in fp32.
     dtype: str = "auto"  # auto: bfloat16 where the device computes it natively, else float32
     quantization: str = "auto"
-    # Opt-in, not exact: "int8" quantizes the activations entering the layers' 4-bit linears
-    # (Q4_0, Q4_1, Q4_K) per 32-value block, as llama.cpp's Q8 activations do, for integer dot
-    # products (CPU kernels only; `backfill bench divergence` measures what it changes).
+    # Opt-in, not exact: "int8" quantizes the activations entering the 4-bit linears (Q4_0,
+    # Q4_1, Q4_K; the LM head too where it is one) per 32-value block, as llama.cpp's Q8
+    # activations do, for integer dot products (CPU kernels only; `backfill bench divergence`
+    # measures what it changes).
     activation_quantization: str = "none"
     device: str = "cpu"
     seed: int = 0  # seeds the unseeded sampling stream, so a whole run is reproducible

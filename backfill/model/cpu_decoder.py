@@ -64,8 +64,9 @@ class CpuDecoder:
         [gate | up]), `layers.{i}.mlp.down_proj.weight`; and `embed_tokens.weight`,
         `norm.weight` fp32 [hidden], `lm_head.weight` (untied models only). Linears and the
         embedding are LinearWeights (see the module docstring). `activation_quantization`
-        "int8": the layers' 4-bit linears take their input quantized to int8 per 32 values
-        (csrc/q8.h; opt-in, not exact), "none": fp32 throughout."""
+        "int8": the 4-bit linears (Q4_0, Q4_1, Q4_K; the LM head too where it is one) take their
+        input quantized to int8 per 32 values (csrc/q8.h; opt-in, not exact), "none": fp32
+        throughout."""
 
         reason = unsupported_reason(config)
         if reason is not None:
@@ -117,8 +118,9 @@ class CpuDecoder:
 
     @property
     def activation_quantization(self) -> str:
-        """"int8": the layers' 4-bit linears take their input quantized to int8 per 32 values
-        (csrc/q8.h; opt-in, not exact); "none": fp32 throughout. Settable between steps."""
+        """"int8": the 4-bit linears (Q4_0, Q4_1, Q4_K; the LM head too where it is one) take
+        their input quantized to int8 per 32 values (csrc/q8.h; opt-in, not exact); "none": fp32
+        throughout. Settable between steps."""
         return "int8" if self._step.q8_activations else "none"
 
     @activation_quantization.setter

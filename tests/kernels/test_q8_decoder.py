@@ -25,14 +25,14 @@ SCHEDULE = [
 
 
 def quantized_decoders(count: int, mode: str = "int8") -> tuple[list[CpuDecoder], int]:
-    """`count` decoders of one tiny model, its linears Q4_1 / Q4_0 (gguf cannot write Q4_K: the
-    kernel tests cover it), its embedding Q8_0 (tied head: exact), activations as `mode` says;
-    and its vocab."""
-    model = tiny_model("gqa2_hd16", intermediate_size=96)
+    """`count` decoders of one tiny model, its linears and untied LM head Q4_1 / Q4_0 (gguf cannot
+    write Q4_K: the kernel tests cover it), its embedding Q8_0, activations as `mode` says; and
+    its vocab."""
+    model = tiny_model("mqa_hd32_untied", intermediate_size=96)
     config = model.config
     state: dict[str, LinearWeights] = {}
     params = dict(model.named_parameters())
-    for pname, qtype in [("embed_tokens.weight", Q8_0)] + [
+    for pname, qtype in [("embed_tokens.weight", Q8_0), ("lm_head.weight", Q4_1)] + [
         (f"layers.{i}.{name}", qtype) for i in range(config.num_layers)
         for name, qtype in [("self_attn.qkv_proj.weight", Q4_1), ("self_attn.o_proj.weight", Q4_1),
                             ("mlp.gate_up_proj.weight", Q4_1), ("mlp.down_proj.weight", Q4_0)]

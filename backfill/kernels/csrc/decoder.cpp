@@ -195,14 +195,15 @@ class FusedDecoder {
     }
   }
 
-  // Opt-in: the layers' linears of the 4-bit types compute with x quantized to int8 (q8.h); the
-  // embedding and the LM head stay exact. Not for use mid-step.
+  // Opt-in: the linears (the LM head too) of the types q8.h computes take x quantized to int8;
+  // the embedding lookup stays exact. Not for use mid-step.
   bool q8_activations() const { return q8_activations_; }
   void set_q8_activations(bool on) {
     q8_activations_ = on;
     for (Layer& l : layers_)
       for (Linear* lin : {&l.qkv, &l.o_proj, &l.gate_up, &l.down})
         for (Linear::Segment& s : lin->segments) s.matrix.q8_activations = on;
+    for (Linear::Segment& s : lm_head_.segments) s.matrix.q8_activations = on;
   }
 
   // Runs every layer over the step's T tokens, writing their K/V into `kv_caches`; returns the
