@@ -60,6 +60,10 @@ struct Q8Job {
   bool accumulate;
   int64_t tile_begin;
   int64_t tile_end;
+  // Lines [side_begin, side_end) of `side` to prefetch while the job computes (as TileJob's).
+  const SidePrefetch* side;
+  int64_t side_begin;
+  int64_t side_end;
 };
 
 void q8_gemm_avx512vnni(const Q8Job& job);  // qgemm_q8_avx512.cpp: AVX-512 VNNI (vpdpbusd)

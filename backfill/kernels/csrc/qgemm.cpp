@@ -151,8 +151,10 @@ void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, 
     const Q8Kernels kernels = q8_kernels();
     const Q8Rows xq = quantize_x(kernels, x, m, ldx, w.cols);
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (kTileRows * w.cols * m));
-    for_share(team, num_tiles(w.rows), grain, [&](int64_t begin, int64_t end) {
-      kernels.gemm(Q8Job{xq, w.data, w.type, w.rows, w.cols, bias, y, ldy, accumulate, begin, end});
+    const int64_t tiles = num_tiles(w.rows), side_lines = side == nullptr ? 0 : side->num_spans * side->span_lines;
+    for_share(team, tiles, grain, [&](int64_t begin, int64_t end) {
+      kernels.gemm(Q8Job{xq, w.data, w.type, w.rows, w.cols, bias, y, ldy, accumulate, begin, end, side,
+                         side_lines * begin / tiles, side_lines * end / tiles});
     });
     return;
   }

@@ -369,8 +369,9 @@ constexpr int64_t kFusedPrefetchChunks = 6;
 // this group's end). cb = a tile's bytes per 32-column chunk, tile bytes / nc (for the k-quants,
 // whose blocks span 256 columns, a proportional share of the block). Into L2: at 6 tiles x 6
 // chunks it is ~12 KB ahead for Q4_1, ~20 KB for Q8_0.
-template <int NT>
-BF_AI void prefetch_chunk(const TileJob& job, int64_t tile0, int64_t c, int64_t nc, int64_t tb, int64_t cb) {
+// (Job: a TileJob or a Q8Job, q8.h.)
+template <int NT, class Job>
+BF_AI void prefetch_chunk(const Job& job, int64_t tile0, int64_t c, int64_t nc, int64_t tb, int64_t cb) {
   while (c >= nc) {
     c -= nc;
     tile0 += NT;
