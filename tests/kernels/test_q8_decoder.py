@@ -10,6 +10,7 @@ import torch
 from backfill import kernels
 from backfill.model.cpu_decoder import CpuDecoder, LinearWeights
 from backfill.model.quant import QuantWeight
+from tests.kernels.test_attention_cpu import run_under_isa
 from tests.kernels.test_decoder import decode_step, quantize, tiny_model, token_batches
 from tests.model.paged_driver import PagedDriver
 
@@ -96,3 +97,17 @@ def test_int8_keeps_batch_team_and_decode_invariance(num_threads: int) -> None:
             assert torch.equal(results[0][[r for r, _ in batch].index("x")], alone[i]), f"step {i}: x differs batched"
     finally:
         torch.set_num_threads(threads)
+
+
+def check_int8_lower_isa() -> None:
+    """Run by test_int8_lower_isa in a subprocess with BACKFILL_ISA set."""
+    test_int8_is_near_fp32_and_not_the_same()
+    test_int8_keeps_batch_team_and_decode_invariance(2)
+    print(quantized_decoders(1)[0][0].kernels)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_int8_lower_isa(isa: str) -> None:
+    """The AVX2 and portable int8 kernels (an AVX2-only EPYC, an old CPU) keep the same guarantees."""
+    code = "from tests.kernels.test_q8_decoder import check_int8_lower_isa; check_int8_lower_isa()"
+    assert run_under_isa(isa, code, timeout=240).endswith(f"+int8 x ({isa})")
