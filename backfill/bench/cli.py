@@ -409,6 +409,9 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
         warm_up(engine)
     print(f"model {shape.name}: {shape.num_params / 1e6:.1f} M parameters, computed in {dtype}, "
           f"{shape.weight_bytes(dtype) / 1e6:.1f} MB of weights read per step")
+    if getattr(args, "activation_quantization", "none") != "none":
+        print(f"activations quantized ({args.activation_quantization}) for the 4-bit linears: integer dot products, "
+              "so the compute bound below (fp32 FMAs) does not bound these steps")
     # Each round measures the machine, then the steps right after it: on a shared machine both
     # move with the neighbours' load, so each round's ratio compares one moment with itself.
     machines, rounds = [], []
@@ -429,7 +432,8 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
     print(f"\nmedian over {args.repeats} round(s): {format_machine(machine)}")
     print(format_roofline_table(rows))
     _write_json(_result_path(args, "roofline"), {
-        "host": describe_host(), "machine": machine.to_json(), "model": shape.__dict__, "dtype": dtype, "rows": rows,
+        "host": describe_host(), "machine": machine.to_json(), "model": shape.__dict__, "dtype": dtype,
+        "activation_quantization": getattr(args, "activation_quantization", "none"), "rows": rows,
         "rounds": rounds,
     })
     return 0
