@@ -33,21 +33,22 @@ BF_AI const uint8_t* q8_weight_block(const uint8_t* tile, int64_t b, VF* d, VF* 
 }
 
 // Rows [row0, row0 + MR) of x against tiles [tile0, tile0 + NT): per block, the integer sums in
-// MR x NT accumulators (the nibbles taken out once for all MR rows), then folded into y.
-// The weights' chunks ahead and the side lines prefetched as the fused kernel does
-// (kFusedPrefetchChunks 32-column chunks ahead, into L2; at one row on a Zen 4 EPYC the step
-// ran memory-bound at ~26 GB/s without them).
+// MR x NT accumulators (the nibbles taken out once for all MR rows), then folded into y. The
+// tiles' first pass over them (`lead`) prefetches their chunks ahead (kFusedPrefetchChunks
+// 32-column chunks, into L2, running on into the next tiles) as the fused kernel does; every pass
+// prefetches its share of the side lines. (On a Zen 4 EPYC without them: the step at batch 8 and
+// 32 12% slower, the attention paying for its K/V.)
 template <QType T, int MR, int NT>
-__attribute__((noinline)) void q8_block(const Q8Job& job, int64_t row0, int64_t tile0, SideCursor& side) {
+__attribute__((noinline)) void q8_block(const Q8Job& job, int64_t row0, int64_t tile0, bool lead, SideCursor& side) {
   const int64_t tb = tile_bytes(job.type, job.cols), nb = job.x.nb, cb = tb / nb;
-  if (tile0 == job.tile_begin && row0 == 0)  // the job's first chunks; later ones come ahead of use
+  if (lead && tile0 == job.tile_begin)  // the job's first chunks; later ones come ahead of use
     for (int64_t c = 0; c < kFusedPrefetchChunks; ++c) prefetch_chunk<NT>(job, tile0, c, nb, tb, cb);
   const uint8_t* tiles[NT];
   BF_UNROLL for (int t = 0; t < NT; ++t) tiles[t] = job.w + (tile0 + t) * tb;
   VF y[MR][NT];
   BF_UNROLL for (int i = 0; i < MR; ++i) BF_UNROLL for (int t = 0; t < NT; ++t) y[i][t] = vf_zero();
   for (int64_t b = 0; b < nb; ++b) {
-    if (row0 == 0) prefetch_chunk<NT>(job, tile0, b + kFusedPrefetchChunks, nb, tb, cb);
+    if (lead) prefetch_chunk<NT>(job, tile0, b + kFusedPrefetchChunks, nb, tb, cb);
     side.burst();
     const uint8_t* qs[NT];
     VF d[NT], m[NT];
@@ -84,18 +85,18 @@ __attribute__((noinline)) void q8_block(const Q8Job& job, int64_t row0, int64_t 
 }
 
 template <QType T, int NT, int MR = 1>
-void q8_rows(const Q8Job& job, int mr, int64_t row0, int64_t tile0, SideCursor& side) {
+void q8_rows(const Q8Job& job, int mr, int64_t row0, int64_t tile0, bool lead, SideCursor& side) {
   if constexpr (MR < kQ8MR) {
-    if (mr != MR) return q8_rows<T, NT, MR + 1>(job, mr, row0, tile0, side);
+    if (mr != MR) return q8_rows<T, NT, MR + 1>(job, mr, row0, tile0, lead, side);
   }
-  q8_block<T, MR, NT>(job, row0, tile0, side);
+  q8_block<T, MR, NT>(job, row0, tile0, lead, side);
 }
 
 // Rows [r0, r1) against tiles [tile0, tile0 + NT), kQ8MR rows at a time.
 template <QType T, int NT>
 void q8_row_range(const Q8Job& job, int64_t r0, int64_t r1, int64_t tile0, SideCursor& side) {
   for (int64_t row = r0; row < r1; row += kQ8MR)
-    q8_rows<T, NT>(job, static_cast<int>(r1 - row < kQ8MR ? r1 - row : kQ8MR), row, tile0, side);
+    q8_rows<T, NT>(job, static_cast<int>(r1 - row < kQ8MR ? r1 - row : kQ8MR), row, tile0, row == r0, side);
 }
 
 // Rows of x in chunks (~256 KB of int8 x, kept in L2 while the job's tiles pass over them), each
@@ -108,8 +109,8 @@ void q8_run(const Q8Job& job) {
   if (m == 1) {
     side.start(job.side, job.side_begin, job.side_end, (tiles + kQ8NT1 - 1) / kQ8NT1 * job.x.nb);
     int64_t tile = job.tile_begin;
-    for (; tile + kQ8NT1 <= job.tile_end; tile += kQ8NT1) q8_block<T, 1, kQ8NT1>(job, 0, tile, side);
-    for (; tile < job.tile_end; ++tile) q8_block<T, 1, 1>(job, 0, tile, side);
+    for (; tile + kQ8NT1 <= job.tile_end; tile += kQ8NT1) q8_block<T, 1, kQ8NT1>(job, 0, tile, true, side);
+    for (; tile < job.tile_end; ++tile) q8_block<T, 1, 1>(job, 0, tile, true, side);
     return;
   }
   const int64_t chunk = (int64_t{1} << 18) / job.cols > kQ8MR ? (int64_t{1} << 18) / job.cols : kQ8MR;
