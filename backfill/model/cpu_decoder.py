@@ -30,7 +30,7 @@ from backfill.model.attention import AttentionMetadata
 from backfill.model.config import ModelConfig
 from backfill.model.layers import RotaryEmbedding
 from backfill.model.llama import LlamaForCausalLM
-from backfill.model.quant import F32, KERNEL_TYPES, QuantSegment, QuantWeight, type_name
+from backfill.model.quant import F32, KERNEL_TYPES, Q4_0, Q4_1, Q4_K, QuantSegment, QuantWeight, type_name
 
 LinearWeights = QuantWeight | Tensor
 
@@ -67,7 +67,6 @@ class CpuDecoder:
         "int8": the 4-bit linears (Q4_0, Q4_1, Q4_K; the LM head too where it is one) take their
         input quantized to int8 per 32 values (csrc/q8.h; opt-in, not exact), "none": fp32
         throughout."""
-
         reason = unsupported_reason(config)
         if reason is not None:
             raise RuntimeError(f"CpuDecoder: {reason}")
@@ -114,6 +113,11 @@ class CpuDecoder:
                 None if bias is None else _norm(bias),  # type: ignore[arg-type]
                 *linears[1:],
             )
+        # Matrices (row segments of the layers' linears and the LM head) that int8 activations
+        # apply to: those of the 4-bit types (csrc/q8.h's q8_activation_type).
+        all_linears = [head] + [packed[name] for name in names if name.startswith("layers.")]
+        self.int8_activation_matrices = sum(qtype in (Q4_0, Q4_1, Q4_K) for segments in all_linears
+                                            for _, qtype, _, _ in segments)
         self.activation_quantization = activation_quantization
 
     @property

@@ -104,6 +104,9 @@ class ModelRunner:
                                      activation_quantization=config.activation_quantization)
                 logger.info("CPU kernels (%s): %.1f MB of weights read per step", decoder.kernels,
                             decoder.weight_bytes_per_step / 1e6)
+                if config.activation_quantization != "none" and decoder.int8_activation_matrices == 0:
+                    logger.warning("activation_quantization=%r: no linear of this model is stored in a 4-bit type "
+                                   "(Q4_0, Q4_1, Q4_K), so every product stays fp32", config.activation_quantization)
                 return decoder
             if config.quantization != "auto":
                 raise ConfigError(f"quantization={config.quantization!r} needs the CPU kernels: {reason}")
