@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.kernels.test_qgemm import ISAS, TYPES, ext, fma32, packed_case, random_raw, reference, use_isa
-from tests.kernels.test_qgemm import restore_isa  # noqa: F401 (the fixture)
+from tests.kernels.test_qgemm import restore_isa  # noqa: F401, F811 (the fixture, used by name)
 
 pytestmark = pytest.mark.skipif(ext is None, reason="CPU kernels extension unavailable (no compiler, or disabled)")
 
