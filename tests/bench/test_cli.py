@@ -85,3 +85,9 @@ def test_divergence_command_measures_int8_against_fp32(tmp_path: Path) -> None:
     assert data["positions"] > 3 * 5 and 0 < data["max_abs_logit_error"] < data["max_abs_logit"]
     assert 0 < data["mean_abs_logit_error"] <= data["max_abs_logit_error"] and 0 < data["argmax_agreement"] <= 1
     assert "greedy agreement:" in proc.stdout and "max |error|" in proc.stdout and "int8 x (" in proc.stdout
+
+
+@pytest.mark.parametrize("args", [["--num-prompts", "0"], ["--prompt-words", "9", "3"]])
+def test_divergence_command_refuses_bad_arguments(args: list[str]) -> None:
+    proc = _bench("divergence", *args)
+    assert proc.returncode == 2 and "backfill bench divergence: " in proc.stderr and "Traceback" not in proc.stderr
