@@ -174,7 +174,6 @@ def add_bench_subparser(subparsers: Any) -> None:
     # The measured engine runs every batch size with prompts in as fast as they come.
     _add_engine_arguments(roofline, exclude=("policy", "static_padding", "max_num_seqs", "prefill_budget"))
 
-
     divergence = commands.add_parser(
         "divergence", help="what --activation-quantization int8 changes: greedy agreement and logit error vs fp32")
     divergence.add_argument("--num-prompts", type=int, default=32)
@@ -409,7 +408,7 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
         warm_up(engine)
     print(f"model {shape.name}: {shape.num_params / 1e6:.1f} M parameters, computed in {dtype}, "
           f"{shape.weight_bytes(dtype) / 1e6:.1f} MB of weights read per step")
-    if getattr(args, "activation_quantization", "none") != "none":
+    if args.activation_quantization != "none":
         print(f"activations quantized ({args.activation_quantization}) for the 4-bit linears: integer dot products, "
               "so the compute bound below (fp32 FMAs) does not bound these steps")
     # Each round measures the machine, then the steps right after it: on a shared machine both
@@ -433,7 +432,7 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
     print(format_roofline_table(rows))
     _write_json(_result_path(args, "roofline"), {
         "host": describe_host(), "machine": machine.to_json(), "model": shape.__dict__, "dtype": dtype,
-        "activation_quantization": getattr(args, "activation_quantization", "none"), "rows": rows,
+        "activation_quantization": args.activation_quantization, "rows": rows,
         "rounds": rounds,
     })
     return 0

@@ -26,11 +26,12 @@ import torch
 from torch import Tensor
 
 from backfill import kernels
+from backfill.config import ACTIVATION_QUANTIZATIONS
 from backfill.model.attention import AttentionMetadata
 from backfill.model.config import ModelConfig
 from backfill.model.layers import RotaryEmbedding
 from backfill.model.llama import LlamaForCausalLM
-from backfill.model.quant import F32, KERNEL_TYPES, Q4_0, Q4_1, Q4_K, QuantSegment, QuantWeight, type_name
+from backfill.model.quant import F32, KERNEL_TYPES, QuantSegment, QuantWeight, type_name
 
 LinearWeights = QuantWeight | Tensor
 
@@ -113,12 +114,13 @@ class CpuDecoder:
                 None if bias is None else _norm(bias),  # type: ignore[arg-type]
                 *linears[1:],
             )
-        # Matrices (row segments of the layers' linears and the LM head) that int8 activations
-        # apply to: those of the 4-bit types (csrc/q8.h's q8_activation_type).
-        all_linears = [head] + [packed[name] for name in names if name.startswith("layers.")]
-        self.int8_activation_matrices = sum(qtype in (Q4_0, Q4_1, Q4_K) for segments in all_linears
-                                            for _, qtype, _, _ in segments)
         self.activation_quantization = activation_quantization
+
+    @property
+    def int8_activation_matrices(self) -> int:
+        """Row segments of the layers' linears and the LM head that int8 activations apply to
+        (the C++ side's count: those of csrc/q8.h's q8_activation_type)."""
+        return int(self._step.q8_matrices)
 
     @property
     def activation_quantization(self) -> str:
@@ -129,8 +131,8 @@ class CpuDecoder:
 
     @activation_quantization.setter
     def activation_quantization(self, mode: str) -> None:
-        if mode not in ("none", "int8"):
-            raise ValueError(f"activation_quantization must be 'none' or 'int8', got {mode!r}")
+        if mode not in ACTIVATION_QUANTIZATIONS:
+            raise ValueError(f"activation_quantization must be one of {ACTIVATION_QUANTIZATIONS}, got {mode!r}")
         self._step.q8_activations = mode == "int8"
 
     @classmethod

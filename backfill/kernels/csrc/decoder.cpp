@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "attention_cpu.h"
+#include "q8.h"
 #include "qgemm.h"
 #include "team.h"
 
@@ -173,6 +174,7 @@ class FusedDecoder {
   }
   void set_lm_head(const std::vector<SegmentArg>& head) {
     lm_head_ = make_linear(head, c10::nullopt, vocab_, hidden_, "lm_head");
+    mark_q8(lm_head_);
   }
   void set_final_norm(const torch::Tensor& weight) {
     fp32_data(weight, hidden_, "norm weight");
@@ -191,7 +193,7 @@ class FusedDecoder {
     Layer& l = layers_.back();
     for (Linear* lin : {&l.qkv, &l.o_proj, &l.gate_up, &l.down}) {
       layer_weights_ += lin->rows * lin->cols;
-      for (Linear::Segment& s : lin->segments) s.matrix.q8_activations = q8_activations_;
+      mark_q8(*lin);
     }
   }
 
@@ -201,9 +203,20 @@ class FusedDecoder {
   void set_q8_activations(bool on) {
     q8_activations_ = on;
     for (Layer& l : layers_)
-      for (Linear* lin : {&l.qkv, &l.o_proj, &l.gate_up, &l.down})
-        for (Linear::Segment& s : lin->segments) s.matrix.q8_activations = on;
-    for (Linear::Segment& s : lm_head_.segments) s.matrix.q8_activations = on;
+      for (Linear* lin : {&l.qkv, &l.o_proj, &l.gate_up, &l.down}) mark_q8(*lin);
+    mark_q8(lm_head_);
+  }
+  // Row segments (of the layers' linears and the LM head) the int8 path applies to: those of the
+  // types q8_activation_type names, whether or not it is on.
+  int64_t q8_matrices() const {
+    int64_t n = 0;
+    const auto count = [&n](const Linear& lin) {
+      for (const Linear::Segment& s : lin.segments) n += q8_activation_type(s.matrix.type) ? 1 : 0;
+    };
+    for (const Layer& l : layers_)
+      for (const Linear* lin : {&l.qkv, &l.o_proj, &l.gate_up, &l.down}) count(*lin);
+    count(lm_head_);
+    return n;
   }
 
   // Runs every layer over the step's T tokens, writing their K/V into `kv_caches`; returns the
@@ -331,6 +344,12 @@ class FusedDecoder {
   std::string kernels() const { return std::string(elementwise_.name) + "/" + attention_.name; }
 
  private:
+  // Marks lin's row segments for int8 activations as q8_activations_ says (each segment's own
+  // type decides whether they apply, see packed_gemm).
+  void mark_q8(Linear& lin) const {
+    for (Linear::Segment& s : lin.segments) s.matrix.q8_activations = q8_activations_;
+  }
+
   // logits out [n, vocab] of the normed rows hidden [n, hidden] (row stride ld), timed as a linear.
   void run_lm_head(const float* hidden, int64_t n, int64_t ld, float* out) {
     const auto start = Clock::now();
@@ -804,6 +823,7 @@ void register_decoder(pybind11::module& m) {
       .def_property_readonly("last_shards", &FusedDecoder::last_shards)
       .def_property("team_steps", &FusedDecoder::team_steps, &FusedDecoder::set_team_steps)
       .def_property("q8_activations", &FusedDecoder::q8_activations, &FusedDecoder::set_q8_activations)
+      .def_property_readonly("q8_matrices", &FusedDecoder::q8_matrices)
       .def("profile", &FusedDecoder::profile)
       .def("kernels", &FusedDecoder::kernels);
   m.def("paged_attention", &paged_attention_cpu, nogil, "paged attention of one step (fused decoder's kernels)",

@@ -16,7 +16,7 @@ inline bool q8_activation_type(QType t) { return t == QType::Q4_0 || t == QType:
 
 // x quantized, per row i and 32-column block b (nb = K / 32 blocks a row):
 //   scale d = max |x| / 127 (0 for an all-zero block), q[k] = round(x[k] / d) in [-127, 127],
-//   q stored in the kernels' dot order (q8_dot_order), s = d * sum(q) (the offset term's x).
+//   q stored in the kernels' dot order (q8_dot_column), s = d * sum(q) (the offset term's x).
 // The sums y[i, n] = sum_b fma(float(S_b), dw_b * d, .) then fma(m_b, s, .) in block order,
 // S_b the block's exact integer sum of code * q, dw_b / m_b the weight block's scale and offset
 // exactly as factored_row_ref gives them; every ISA computes those same numbers.
@@ -68,6 +68,6 @@ struct Q8Job {
 
 void q8_gemm_avx512vnni(const Q8Job& job);  // qgemm_q8_avx512.cpp: AVX-512 VNNI (vpdpbusd)
 void q8_gemm_avx2(const Q8Job& job);        // qgemm_avx2.cpp: AVX2 vpmaddubsw + vpmaddwd
-void q8_gemm_scalar(const Q8Job& job);      // repack.cpp: portable C++
+void q8_gemm_scalar(const Q8Job& job);      // q8.cpp: portable C++
 
 }  // namespace backfill

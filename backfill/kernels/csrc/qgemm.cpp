@@ -147,11 +147,13 @@ void repack(const QMatrix& raw, uint8_t* out) {
 void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, const float* bias, float* y,
                  int64_t ldy, bool accumulate, const SidePrefetch* side, const Team* team) {
   if (m <= 0 || w.rows <= 0) return;
+  // Threads take contiguous ranges of whole tiles: no output is shared, none depends on the split;
+  // each job prefetches the share of the side lines its share of the tiles gives it.
+  const int64_t tiles = num_tiles(w.rows), side_lines = side == nullptr ? 0 : side->num_spans * side->span_lines;
   if (w.q8_activations && q8_activation_type(w.type)) {
     const Q8Kernels kernels = q8_kernels();
     const Q8Rows xq = quantize_x(kernels, x, m, ldx, w.cols);
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (kTileRows * w.cols * m));
-    const int64_t tiles = num_tiles(w.rows), side_lines = side == nullptr ? 0 : side->num_spans * side->span_lines;
     for_share(team, tiles, grain, [&](int64_t begin, int64_t end) {
       kernels.gemm(Q8Job{xq, w.data, w.type, w.rows, w.cols, bias, y, ldy, accumulate, begin, end, side,
                          side_lines * begin / tiles, side_lines * end / tiles});
@@ -159,13 +161,10 @@ void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, 
     return;
   }
   const JobFn fn = job_fn();
-  // Threads take contiguous ranges of whole tiles: no output is shared, none depends on the split.
   // A range is worth a thread from ~100k weight-uses on (dequantization counted as two rows).
   const int64_t tile_work = kTileRows * w.cols * (m + 2);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / tile_work);
-  const int64_t tiles = num_tiles(w.rows), side_lines = side == nullptr ? 0 : side->num_spans * side->span_lines;
   for_share(team, tiles, grain, [&](int64_t begin, int64_t end) {
-    // each job prefetches the share of the side lines its share of the tiles gives it
     const TileJob job{x,    m,   ldx,        w.data, w.type, w.rows, w.cols,
                       bias, y,   ldy,        accumulate,     begin,  end,
                       thread_scratch(job_scratch_floats(w.cols)),
