@@ -250,6 +250,7 @@ def check_chunking_lower_isa() -> None:
     for shape in CHUNK_SHAPES[:2]:
         for window in (None, 100):
             test_chunking_invariant(*shape, window)
+    test_chunked_matches_naive()  # the default model's head_dim on these kernels' own blocking
     print(kernels.extension().isa())
 
 
@@ -267,6 +268,7 @@ def run_under_isa(isa: str, code: str, timeout: int) -> str:
 
 @pytest.mark.parametrize("isa", ["avx2", "scalar"])
 def test_chunking_invariant_lower_isa(isa: str) -> None:
-    """The AVX2 and baseline kernels (an AVX2-only EPYC, an old CPU) are chunking-invariant too."""
+    """The AVX2 and baseline kernels (an AVX2-only EPYC, an old CPU) are chunking-invariant too, and
+    match naive attention."""
     code = "from tests.kernels.test_attention_cpu import check_chunking_lower_isa; check_chunking_lower_isa()"
     assert run_under_isa(isa, code, timeout=300) == isa

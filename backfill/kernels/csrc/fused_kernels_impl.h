@@ -118,8 +118,17 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* y) {
   }
 }
 
-// Accumulator registers a register block may hold (AVX-512 has 32 vector registers, others 16).
+// P . V's blocking (pv_rows): D cut into slices of at most kPvSlice registers, a block of rows x
+// slice registers of accumulators at most kAccRegs (AVX-512 has 32 vector registers, others 16).
+// Keys across lanes (a decode's G rows) take whole-D slices. Rows across lanes (prompt chunks)
+// on AVX2 / SSE take slices of 3 registers, 4 rows a block: 12 FMA chains in flight, where one
+// row of 8 registers ran 8, all that 2 FMA pipes x 4 cycles of latency can overlap (a prompt
+// chunk's attention ~20% faster on a Zen 4 forced to AVX2 with the score blocking below; AVX-512,
+// one FMA a cycle on a Zen 4, has chains to spare).
 constexpr int64_t kAccRegs = W >= 16 ? 16 : 8;
+constexpr int64_t kPvSlice = 8;
+constexpr int64_t kRowsAccRegs = W >= 16 ? 16 : 12;
+constexpr int64_t kRowsPvSlice = W >= 16 ? 8 : 3;
 // Rows across lanes prefetch K/V chunks this many keys ahead (keys across lanes: see attend_keys).
 constexpr int64_t kPrefetchKeys = 16;
 // Tiles of at most this many rows (query tokens x G: decodes, chunks of a token or two) put
@@ -127,10 +136,11 @@ constexpr int64_t kPrefetchKeys = 16;
 // arithmetic alike (see "Two layouts" below).
 constexpr int64_t kKeyLaneRows = 8;
 // Rows across lanes: score blocks of KJ keys x RV registers of rows (KJ1 keys when the tile is
-// one register of rows, so that enough independent FMA chains are in flight).
-constexpr int64_t KJ = W >= 16 ? 4 : 2;
+// one register of rows, so that enough independent FMA chains are in flight). AVX2 / SSE: 4 keys
+// x 3 registers, 12 chains and 3 + 1 registers of operands in 16 (2 keys x 4 registers ran 8).
+constexpr int64_t KJ = 4;
 constexpr int64_t KJ1 = W >= 16 ? 8 : 4;
-constexpr int64_t RV = 4;
+constexpr int64_t RV = W >= 16 ? 4 : 3;
 // Keys across lanes: score blocks of KR rows x KV registers of keys (read in place from the
 // cache's K panels, or from a [D, KV * W] copy where the block size is not a multiple of W). A
 // decode's 3-4 rows x 4 registers: 12-16 FMA chains in flight (hot decode attention on a Zen 5
@@ -191,10 +201,10 @@ inline void pv_tail(const float* p, int64_t p_row, int64_t p_key, const float* c
   pv_block<DV, N>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, ahead);
 }
 
-template <int64_t DV>
+template <int64_t DV, int64_t kAcc>
 inline void pv_rows(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t j0, int64_t j1,
                     int64_t x0, float* o, int64_t d_len, int64_t rows, const float* const* ahead) {
-  constexpr int64_t NR = kAccRegs / DV > 0 ? kAccRegs / DV : 1;
+  constexpr int64_t NR = kAcc / DV > 0 ? kAcc / DV : 1;
   int64_t r = 0;
   for (; r + NR <= rows; r += NR, ahead = nullptr)
     pv_block<DV, NR>(p + r * p_row, p_row, p_key, v_rows, j0, j1, x0, o + r * d_len, d_len, ahead);
@@ -202,20 +212,23 @@ inline void pv_rows(const float* p, int64_t p_row, int64_t p_key, const float* c
     pv_tail<DV, NR>(p + r * p_row, p_row, p_key, v_rows, j0, j1, x0, o + r * d_len, d_len, rows - r, ahead);
 }
 
-// O[rows, D] += P . V over the tile's keys [j0, j1), D cut into slices of at most 8 registers;
-// the runs `ahead` are prefetched once, spread over the first block's keys.
+// O[rows, D] += P . V over the tile's keys [j0, j1), D cut into slices of at most kSlice registers
+// (kAcc accumulator registers a block; see kPvSlice); the runs `ahead` are prefetched once, spread
+// over the first block's keys. How D is cut never changes an element's fma chain.
+template <int64_t kSlice = kPvSlice, int64_t kAcc = kAccRegs>
 inline void accumulate_pv(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t j0,
                           int64_t j1, float* o, int64_t d_len, int64_t rows, const float* const* ahead = nullptr) {
-  for (int64_t x0 = 0; x0 < d_len; x0 += 8 * W, ahead = nullptr) {
-    switch ((d_len - x0) / W >= 8 ? 8 : (d_len - x0) / W) {
-      case 1: pv_rows<1>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
-      case 2: pv_rows<2>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
-      case 3: pv_rows<3>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
-      case 4: pv_rows<4>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
-      case 5: pv_rows<5>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
-      case 6: pv_rows<6>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
-      case 7: pv_rows<7>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
-      default: pv_rows<8>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+  static_assert(kSlice >= 1 && kSlice <= 8, "slices of 1 to 8 registers");
+  for (int64_t x0 = 0; x0 < d_len; x0 += kSlice * W, ahead = nullptr) {
+    switch ((d_len - x0) / W >= kSlice ? kSlice : (d_len - x0) / W) {
+      case 1: pv_rows<1, kAcc>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 2: pv_rows<2, kAcc>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 3: pv_rows<3, kAcc>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 4: pv_rows<4, kAcc>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 5: pv_rows<5, kAcc>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 6: pv_rows<6, kAcc>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 7: pv_rows<7, kAcc>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      default: pv_rows<8, kAcc>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
     }
   }
 }
@@ -371,15 +384,19 @@ void attend_rows(const TileState& st, int64_t kb, const KeyOffsets& off, const f
     for (int64_t j = 0; j < BK; j += KJ1)
       dot_block<1, KJ1>(q_t, W, k_rows + j, k_stride, d_len, st.probs + j * W, W);
   } else {
-    for (int64_t j = 0; j < BK; j += KJ) {
-      int64_t rb = 0;
-      const float* q_t[RV];
-      for (; rb + RV * W <= rows_pad; rb += RV * W) {
-        for (int64_t v = 0; v < RV; ++v) q_t[v] = st.q_buf + rb + v * W;
-        dot_block<RV, KJ>(q_t, rows_pad, k_rows + j, k_stride, d_len, st.probs + j * rows_pad + rb, rows_pad);
-      }
-      static_assert(RV == 4, "the remainder below is 1 to 3 registers of rows");
+    // row blocks outer, keys inner: a block's Q^T (RV registers x D) and the tile's K panels stay
+    // in L1 while every key passes over them, where keys outer streamed all of Q^T from L2 once
+    // per KJ keys (AVX2: 128 B of Q^T per 8 FMAs, the L2's bandwidth)
+    int64_t rb = 0;
+    const float* q_t[4];  // (RV, or the remainder's 1 to 3)
+    for (; rb + RV * W <= rows_pad; rb += RV * W) {
       for (int64_t v = 0; v < RV; ++v) q_t[v] = st.q_buf + rb + v * W;
+      for (int64_t j = 0; j < BK; j += KJ)
+        dot_block<RV, KJ>(q_t, rows_pad, k_rows + j, k_stride, d_len, st.probs + j * rows_pad + rb, rows_pad);
+    }
+    static_assert(RV <= 4, "the remainder below is 1 to 3 registers of rows");
+    for (int64_t v = 0; v < RV; ++v) q_t[v] = st.q_buf + rb + v * W;
+    for (int64_t j = 0; j < BK; j += KJ) {
       float* scores = st.probs + j * rows_pad + rb;
       switch ((rows_pad - rb) / W) {
         case 3: dot_block<3, KJ>(q_t, rows_pad, k_rows + j, k_stride, d_len, scores, rows_pad); break;
@@ -425,7 +442,7 @@ void attend_rows(const TileState& st, int64_t kb, const KeyOffsets& off, const f
     store(st.alpha + rb, alpha);
   }
   rescale_rows(st);
-  accumulate_pv(st.probs, 1, rows_pad, v_rows, 0, BK, st.acc, d_len, st.rows);
+  accumulate_pv<kRowsPvSlice, kRowsAccRegs>(st.probs, 1, rows_pad, v_rows, 0, BK, st.acc, d_len, st.rows);
 }
 
 // Keys across lanes (decodes): each row's scores as NV registers of keys, read in place from the
