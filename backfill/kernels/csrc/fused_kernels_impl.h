@@ -120,15 +120,12 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* y) {
 
 // P . V's blocking (pv_rows): D cut into slices of at most kPvSlice registers, a block of rows x
 // slice registers of accumulators at most kAccRegs (AVX-512 has 32 vector registers, others 16).
-// Keys across lanes (a decode's G rows) take whole-D slices. Rows across lanes (prompt chunks)
-// on AVX2 / SSE take slices of 3 registers, 4 rows a block: 12 FMA chains in flight, where one
-// row of 8 registers ran 8, all that 2 FMA pipes x 4 cycles of latency can overlap (a prompt
-// chunk's attention ~20% faster on a Zen 4 forced to AVX2 with the score blocking below; AVX-512,
-// one FMA a cycle on a Zen 4, has chains to spare).
-constexpr int64_t kAccRegs = W >= 16 ? 16 : 8;
-constexpr int64_t kPvSlice = 8;
-constexpr int64_t kRowsAccRegs = W >= 16 ? 16 : 12;
-constexpr int64_t kRowsPvSlice = W >= 16 ? 8 : 3;
+// AVX2 / SSE: slices of 3 registers, 4 rows a block, 12 FMA chains in flight where whole-D slices
+// of one row ran 8, all that 2 FMA pipes x 4 cycles of latency can overlap (on a Zen 4 forced
+// to AVX2: a prompt chunk's attention ~20% faster with the score blocking below, a decode's ~5%;
+// AVX-512, one FMA a cycle on a Zen 4, has chains to spare).
+constexpr int64_t kAccRegs = W >= 16 ? 16 : 12;
+constexpr int64_t kPvSlice = W >= 16 ? 8 : 3;
 // Rows across lanes prefetch K/V chunks this many keys ahead (keys across lanes: see attend_keys).
 constexpr int64_t kPrefetchKeys = 16;
 // Tiles of at most this many rows (query tokens x G: decodes, chunks of a token or two) put
@@ -201,10 +198,10 @@ inline void pv_tail(const float* p, int64_t p_row, int64_t p_key, const float* c
   pv_block<DV, N>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, ahead);
 }
 
-template <int64_t DV, int64_t kAcc>
+template <int64_t DV>
 inline void pv_rows(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t j0, int64_t j1,
                     int64_t x0, float* o, int64_t d_len, int64_t rows, const float* const* ahead) {
-  constexpr int64_t NR = kAcc / DV > 0 ? kAcc / DV : 1;
+  constexpr int64_t NR = kAccRegs / DV > 0 ? kAccRegs / DV : 1;
   int64_t r = 0;
   for (; r + NR <= rows; r += NR, ahead = nullptr)
     pv_block<DV, NR>(p + r * p_row, p_row, p_key, v_rows, j0, j1, x0, o + r * d_len, d_len, ahead);
@@ -212,23 +209,22 @@ inline void pv_rows(const float* p, int64_t p_row, int64_t p_key, const float* c
     pv_tail<DV, NR>(p + r * p_row, p_row, p_key, v_rows, j0, j1, x0, o + r * d_len, d_len, rows - r, ahead);
 }
 
-// O[rows, D] += P . V over the tile's keys [j0, j1), D cut into slices of at most kSlice registers
-// (kAcc accumulator registers a block; see kPvSlice); the runs `ahead` are prefetched once, spread
-// over the first block's keys. How D is cut never changes an element's fma chain.
-template <int64_t kSlice = kPvSlice, int64_t kAcc = kAccRegs>
+// O[rows, D] += P . V over the tile's keys [j0, j1), D cut into slices of at most kPvSlice
+// registers (how D is cut never changes an element's fma chain); the runs `ahead` are prefetched
+// once, spread over the first block's keys.
 inline void accumulate_pv(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t j0,
                           int64_t j1, float* o, int64_t d_len, int64_t rows, const float* const* ahead = nullptr) {
-  static_assert(kSlice >= 1 && kSlice <= 8, "slices of 1 to 8 registers");
-  for (int64_t x0 = 0; x0 < d_len; x0 += kSlice * W, ahead = nullptr) {
-    switch ((d_len - x0) / W >= kSlice ? kSlice : (d_len - x0) / W) {
-      case 1: pv_rows<1, kAcc>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
-      case 2: pv_rows<2, kAcc>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
-      case 3: pv_rows<3, kAcc>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
-      case 4: pv_rows<4, kAcc>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
-      case 5: pv_rows<5, kAcc>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
-      case 6: pv_rows<6, kAcc>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
-      case 7: pv_rows<7, kAcc>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
-      default: pv_rows<8, kAcc>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+  static_assert(kPvSlice >= 1 && kPvSlice <= 8, "slices of 1 to 8 registers");
+  for (int64_t x0 = 0; x0 < d_len; x0 += kPvSlice * W, ahead = nullptr) {
+    switch ((d_len - x0) / W >= kPvSlice ? kPvSlice : (d_len - x0) / W) {
+      case 1: pv_rows<1>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 2: pv_rows<2>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 3: pv_rows<3>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 4: pv_rows<4>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 5: pv_rows<5>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 6: pv_rows<6>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      case 7: pv_rows<7>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
+      default: pv_rows<8>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, rows, ahead); break;
     }
   }
 }
@@ -455,7 +451,7 @@ void attend_rows(const TileState& st, int64_t kb, const KeyOffsets& off, const f
     store(st.alpha + rb, alpha);
   }
   rescale_rows(st);
-  accumulate_pv<kRowsPvSlice, kRowsAccRegs>(st.probs, 1, rows_pad, v_rows, 0, BK, st.acc, d_len, st.rows);
+  accumulate_pv(st.probs, 1, rows_pad, v_rows, 0, BK, st.acc, d_len, st.rows);
 }
 
 // Keys across lanes (decodes): each row's scores as NV registers of keys, read in place from the
