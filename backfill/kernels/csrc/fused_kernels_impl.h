@@ -258,7 +258,7 @@ inline void dot_block(const float* const* vecs, int64_t vec_stride, const float*
     if constexpr (W < 16 && NB < NVEC) {
       // 16 registers: NB broadcasts, then one vector at a time, so that 3 x 4 accumulators fit
       // (a decode's 3 rows x 4 registers of keys: 12 FMA chains where 3 x 2 ran 6; AVX2 decode
-      // attention ~5% faster on a Zen 4; AVX-512, 32 registers, runs the order below, ~4% faster)
+      // attention ~5% faster on a Zen 4). AVX-512 keeps the order below: this one ran ~4% slower.
       vf x[NB];
       for (int64_t b = 0; b < NB; ++b) x[b] = splat(bcast[b][d * b_stride]);
       for (int64_t v = 0; v < NVEC; ++v) {
