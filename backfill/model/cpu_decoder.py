@@ -64,10 +64,8 @@ class CpuDecoder:
         `layers.{i}.self_attn.o_proj.weight`, `layers.{i}.mlp.gate_up_proj.weight` (rows
         [gate | up]), `layers.{i}.mlp.down_proj.weight`; and `embed_tokens.weight`,
         `norm.weight` fp32 [hidden], `lm_head.weight` (untied models only). Linears and the
-        embedding are LinearWeights (see the module docstring). `activation_quantization`
-        "int8": the 4-bit linears (Q4_0, Q4_1, Q4_K; the LM head too where it is one) take their
-        input quantized to int8 per 32 values (csrc/q8.h; opt-in, not exact), "none": fp32
-        throughout."""
+        embedding are LinearWeights (see the module docstring). `activation_quantization`:
+        "none" or "int8", as the property of that name describes."""
         reason = unsupported_reason(config)
         if reason is not None:
             raise RuntimeError(f"CpuDecoder: {reason}")
