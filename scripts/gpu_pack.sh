@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 ASSETS=.gpu_assets
-PART_MB=40
+PART_MB=44  # part 1: wheels (17 MB) + 44 MB; part 2: the other 54 MB (and the repo in each)
 # Not on the device image (or older there): the GGUF reader, the engine core's message codec,
 # and the transformers / tokenizers backfill is tested with (its GGUF tokenizer mirrors 5.23).
 WHEELS=(gguf==0.19.0 msgspec==0.23.0 transformers==5.23.0 tokenizers==0.23.3)

@@ -430,12 +430,32 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
     rows = median_rounds([r["rows"] for r in rounds])
     print(f"\nmedian over {args.repeats} round(s): {format_machine(machine)}")
     print(format_roofline_table(rows))
+    if engine is not None and engine.runner.graph_runner is not None:
+        _graph_floors(engine, rows, args.context_len)
     _write_json(_result_path(args, "roofline"), {
         "host": describe_host(), "machine": machine.to_json(), "model": shape.__dict__, "dtype": dtype,
         "activation_quantization": args.activation_quantization, "rows": rows,
         "rounds": rounds,
     })
     return 0
+
+
+def _graph_floors(engine: Any, rows: list[dict[str, Any]], context_len: int) -> None:
+    """Each row's CUDA-graph launch floor (bench/graph_floor.py) beside its measured step."""
+    from backfill.bench.graph_floor import measure_graph_floor
+
+    print("\nCUDA graph launch floor (a graph of as many one-element kernels as the step launches):")
+    for row in rows:
+        floor = measure_graph_floor(engine.runner.graph_runner, row["batch_size"], context_len)
+        if floor is None:
+            print(f"- batch {row['batch_size']}: runs without a graph")
+            continue
+        row["graph"] = floor
+        if "measured_ms" in row:
+            floor["measured_over_floor"] = row["measured_ms"] / floor["floor_ms"]
+        print(f"- batch {row['batch_size']}: {floor['kernels']} kernels, floor {floor['floor_ms']:.3f} ms, "
+              f"the step's graph replays in {floor['replay_ms']:.3f} ms, the engine's step "
+              f"{row.get('measured_ms', float('nan')):.3f} ms ({floor.get('measured_over_floor', float('nan')):.2f}x the floor)")
 
 
 def _cmd_structured(args: argparse.Namespace) -> int:

@@ -327,6 +327,11 @@ def format_machine(machine: MachineRoofline) -> str:
     )
 
 
+def _ms(value: float) -> str:
+    """Milliseconds: one decimal from 10 ms, two from 1 ms, three below (a GPU step takes under 1 ms)."""
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}" if value >= 1 else f"{value:.3f}"
+
+
 def format_roofline_table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of `decode_roofline` rows."""
     measured = any("measured_ms" in r for r in rows)
@@ -338,12 +343,12 @@ def format_roofline_table(rows: list[dict[str, Any]]) -> str:
     lines = [header, rule]
     for r in rows:
         line = (
-            f"| {r['batch_size']} | {r['context_len']} | {r['ideal_ms']:.1f} | {r['bound']} | "
+            f"| {r['batch_size']} | {r['context_len']} | {_ms(r['ideal_ms'])} | {r['bound']} | "
             f"{r['ideal_tokens_per_s']:.0f} |"
         )
         if measured:
             if "measured_ms" in r:
-                line += f" {r['measured_ms']:.1f} | {r['measured_tokens_per_s']:.0f} | {r['measured_over_ideal']:.2f}x |"
+                line += f" {_ms(r['measured_ms'])} | {r['measured_tokens_per_s']:.0f} | {r['measured_over_ideal']:.2f}x |"
             else:
                 line += " - | - | - |"
         lines.append(line)

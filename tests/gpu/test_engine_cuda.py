@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backfill.bench.graph_floor import measure_graph_floor
 from backfill.engine.llm import LLM
 from backfill.model.static_decode import varlen_supported
 from backfill.sampling_params import SamplingParams
+from backfill.worker.cuda_graph import CudaGraphRunner
 from tests.engine.test_batch_invariance import _check_together, workload  # noqa: F401 (fixture)
-from tests.worker.test_cuda_graph import check_padded_steps
+from tests.kernels.test_decoder import tiny_model
+from tests.worker.test_cuda_graph import check_padded_steps, twin_drivers
 
 pytestmark = pytest.mark.gpu
 
@@ -48,3 +51,17 @@ def test_graph_replay_matches_eager_steps(dtype: torch.dtype, atol: float) -> No
     check_padded_steps(torch.device("cuda"), dtype, capture=True, atol=atol)
     if varlen_supported(torch.device("cuda"), dtype, 4, 4, 2, 16) is None:
         check_padded_steps(torch.device("cuda"), dtype, capture=True, backend="varlen", atol=atol)
+
+
+def test_graph_floor_counts_the_steps_kernels() -> None:
+    """bench roofline's launch floor on a tiny model's captured graphs: every layer launches
+    several kernels, the floor graph replays, and a step too large for any graph has none."""
+    model = tiny_model("gqa2_hd16").to("cuda", torch.float32)
+    _, graphed, scratch = twin_drivers(model, num_blocks=100, block_size=4)
+    runner = CudaGraphRunner(model, graphed.kv_caches, max_num_seqs=4, max_model_len=64, scratch_block=scratch)
+    runner.capture()
+    floor = measure_graph_floor(runner, 3, 20)
+    assert floor is not None and floor["graph_key"] == [4, 16]
+    assert floor["kernels"] > 4 * model.config.num_layers
+    assert floor["floor_ms"] > 0 and floor["replay_ms"] > 0
+    assert measure_graph_floor(runner, 5, 20) is None
