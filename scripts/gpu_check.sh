@@ -11,12 +11,14 @@
 #   - backfill's Python dependencies the machine lacks: wheels in .gpu_assets/1/wheels;
 #   - the default GGUF (98 MB, over one call's limit): parts in .gpu_assets/{1,2}/model.
 # Two calls, each useful alone:
-#   scripts/gpu_check.sh --part 1   (carry .gpu_assets/1) installs the wheels, keeps its model
-#       part under /tmp/backfill_gpu, and checks what needs no default model: the attention
-#       and graph tests on random tensors and tiny models, and the benches on the 1B folder;
+#   scripts/gpu_check.sh --part 1   (carry .gpu_assets/1, ~30 s) installs the wheels, keeps its
+#       model part under /tmp/backfill_gpu, and runs the tests that need no default model
+#       (attention and graph kernels on random tensors, tiny random models' graphs);
 #   scripts/gpu_check.sh --part 2   (carry .gpu_assets/2, within the machine's warm window, so
-#       that part 1's files are still there) assembles the model and checks the rest: parity
-#       with transformers, bf16, the engine's graphs and batch invariance, the default benches.
+#       that part 1's files are still there) assembles the model and runs the rest: parity with
+#       transformers, bf16, the engine's graphs and batch invariance, then the benches on the
+#       default model and on the 1B folder (whose tokenizer is the default model's).
+# GPU_CHECK_TESTS=0 skips the tests (a rerun of the benches).
 # Without an argument it runs both parts in one go (a machine where the model is installed, or
 # with both parts staged). Every step runs under its own timeout within the part's budget.
 set -uo pipefail
@@ -27,9 +29,9 @@ STAGE=/tmp/backfill_gpu
 PART=all
 [ "${1:-}" = "--part" ] && PART=${2:?--part 1 or 2}
 case $PART in
-    1) BUDGET_S=${GPU_CHECK_BUDGET_S:-220} ;;
-    2) BUDGET_S=${GPU_CHECK_BUDGET_S:-260} ;;
-    all) BUDGET_S=${GPU_CHECK_BUDGET_S:-470} ;;
+    1) BUDGET_S=${GPU_CHECK_BUDGET_S:-120} ;;
+    2) BUDGET_S=${GPU_CHECK_BUDGET_S:-480} ;;
+    all) BUDGET_S=${GPU_CHECK_BUDGET_S:-590} ;;
     *) echo "--part 1 or --part 2" >&2; exit 2 ;;
 esac
 START=$(date +%s)
@@ -131,28 +133,30 @@ pytest_gpu() {  # pytest_gpu NAME LIMIT K_EXPRESSION
     run_step "$1" "$2" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs -k "$3" \
         --junitxml="$OUT/$1.xml"
 }
-BENCH=("$PY" -m backfill.entrypoints.cli bench)
+BENCH=("$PY" -m backfill.bench.cli)  # the bench commands alone: no server dependencies
 ROOFLINE_ARGS=(--device cuda --dtype bfloat16 --batch-sizes 1 8 32 64 --measure-steps 30 --repeats 3)
 COMMON_ARGS=(--device cuda --dtype bfloat16 --num-requests 128 --no-roofline --no-progress)
 bench_model() {  # bench_model TAG MODEL_ARGS...: the roofline, continuous vs static vs generate(), eager
     local tag=$1; shift
     run_step "roofline_$tag" 60 "${BENCH[@]}" roofline "${ROOFLINE_ARGS[@]}" "$@" \
         --result-file "$STAGE/results/roofline_$tag.json"
-    run_step "compare_$tag" 80 "${BENCH[@]}" compare "${COMMON_ARGS[@]}" --batch-size 32 \
+    run_step "compare_$tag" 100 "${BENCH[@]}" compare "${COMMON_ARGS[@]}" --batch-size 32 --repeats 2 \
         --systems continuous static hf "$@" --result-file "$STAGE/results/compare_$tag.json"
     run_step "offline_eager_$tag" 40 "${BENCH[@]}" offline "${COMMON_ARGS[@]}" --max-num-seqs 32 \
         --enforce-eager "$@" --result-file "$STAGE/results/offline_eager_$tag.json"
 }
 
-if [ "$PART" != 2 ]; then
+TESTS=${GPU_CHECK_TESTS:-1}  # 0: the benches alone (a rerun after the tests passed)
+if [ "$PART" != 2 ] && [ "$TESTS" = 1 ]; then
     pytest_gpu gpu_tests_1 90 "$NO_MODEL_TESTS"
-    run_step make_llama_1b 45 "$PY" scripts/random_hf_model.py "$STAGE/llama-1b" --shape llama-1b
-    bench_model llama_1b --model "$STAGE/llama-1b" --max-model-len 4096
 fi
 if [ "$PART" != 1 ]; then
     if [ "$MODEL_OK" = 1 ]; then
-        pytest_gpu gpu_tests_2 120 "not ($NO_MODEL_TESTS)"
+        [ "$TESTS" = 1 ] && pytest_gpu gpu_tests_2 120 "not ($NO_MODEL_TESTS)"
         bench_model default
+        # (its tokenizer files are the default model's)
+        run_step make_llama_1b 45 "$PY" scripts/random_hf_model.py "$STAGE/llama-1b" --shape llama-1b
+        bench_model llama_1b --model "$STAGE/llama-1b" --max-model-len 4096
     else
         log "no default model: its tests and benches are not run"
     fi
