@@ -135,15 +135,19 @@ pytest_gpu() {  # pytest_gpu NAME LIMIT K_EXPRESSION
 }
 BENCH=("$PY" -m backfill.bench.cli)  # the bench commands alone: no server dependencies
 ROOFLINE_ARGS=(--device cuda --dtype bfloat16 --batch-sizes 1 8 32 64 --measure-steps 30 --repeats 3)
-COMMON_ARGS=(--device cuda --dtype bfloat16 --num-requests 128 --no-roofline --no-progress)
-bench_model() {  # bench_model TAG MODEL_ARGS...: the roofline, continuous vs static vs generate(), eager
-    local tag=$1; shift
+EAGER_ARGS=(--device cuda --dtype bfloat16 --batch-sizes 1 32 --measure-steps 20 --repeats 1 --enforce-eager)
+# 64 requests at 32 slots, one round: on the H200 (session 48) eager steps took ~25 ms (static
+# batching's padded steps and every step with a prompt run eagerly), so 128 requests and two
+# rounds did not finish in 100 s.
+COMPARE_ARGS=(--device cuda --dtype bfloat16 --num-requests 64 --batch-size 32 --repeats 1 --no-roofline --no-progress)
+bench_model() {  # bench_model TAG MODEL_ARGS...: the roofline (graphs, then eager), then
+    local tag=$1; shift  # continuous vs static vs transformers generate()
     run_step "roofline_$tag" 60 "${BENCH[@]}" roofline "${ROOFLINE_ARGS[@]}" "$@" \
         --result-file "$STAGE/results/roofline_$tag.json"
-    run_step "compare_$tag" 100 "${BENCH[@]}" compare "${COMMON_ARGS[@]}" --batch-size 32 --repeats 2 \
-        --systems continuous static hf "$@" --result-file "$STAGE/results/compare_$tag.json"
-    run_step "offline_eager_$tag" 40 "${BENCH[@]}" offline "${COMMON_ARGS[@]}" --max-num-seqs 32 \
-        --enforce-eager "$@" --result-file "$STAGE/results/offline_eager_$tag.json"
+    run_step "roofline_eager_$tag" 40 "${BENCH[@]}" roofline "${EAGER_ARGS[@]}" "$@" \
+        --result-file "$STAGE/results/roofline_eager_$tag.json"
+    run_step "compare_$tag" 150 "${BENCH[@]}" compare "${COMPARE_ARGS[@]}" --systems continuous static hf "$@" \
+        --result-file "$STAGE/results/compare_$tag.json"
 }
 
 TESTS=${GPU_CHECK_TESTS:-1}  # 0: the benches alone (a rerun after the tests passed)
@@ -172,6 +176,8 @@ for line in open("$STEPS"):
     name, rc, ms = line.rstrip("\n").split("\t")
     step = {"name": name, "rc": rc, "seconds": int(ms) / 1000, "ok": rc == "0"}
     path = os.path.join(results, name + ".json")
+    if not os.path.exists(path):  # a bench cut by its timeout leaves what it had finished
+        path = os.path.join(results, name + ".partial.json")
     if os.path.exists(path):
         try:
             step["result"] = json.load(open(path))
