@@ -16,8 +16,9 @@
 #       (attention and graph kernels on random tensors, tiny random models' graphs);
 #   scripts/gpu_check.sh --part 2   (carry .gpu_assets/2, within the machine's warm window, so
 #       that part 1's files are still there) assembles the model and runs the rest: parity with
-#       transformers, bf16, the engine's graphs and batch invariance, then the benches on the
-#       default model and on the 1B folder (whose tokenizer is the default model's).
+#       transformers, bf16, the engine's graphs and batch invariance, then a profile of the
+#       default model's decode step (scripts/profile_step.py, graphs and eager) and the benches
+#       on the default model and on the 1B folder (whose tokenizer is the default model's).
 # GPU_CHECK_TESTS=0 skips the tests (a rerun of the benches).
 # Without an argument it runs both parts in one go (a machine where the model is installed, or
 # with both parts staged). Every step runs under its own timeout within the part's budget.
@@ -157,6 +158,10 @@ fi
 if [ "$PART" != 1 ]; then
     if [ "$MODEL_OK" = 1 ]; then
         [ "$TESTS" = 1 ] && pytest_gpu gpu_tests_2 120 "not ($NO_MODEL_TESTS)"
+        for mode in graphs eager; do  # which ops a decode step's time goes to (host and device)
+            run_step "profile_${mode}_default" 40 "$PY" scripts/profile_step.py --device cuda --dtype bfloat16 \
+                $([ $mode = eager ] && echo --enforce-eager) --result-file "$STAGE/results/profile_${mode}_default.json"
+        done
         bench_model default
         # (its tokenizer files are the default model's)
         run_step make_llama_1b 45 "$PY" scripts/random_hf_model.py "$STAGE/llama-1b" --shape llama-1b
