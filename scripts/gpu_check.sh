@@ -137,9 +137,9 @@ pytest_gpu() {  # pytest_gpu NAME LIMIT K_EXPRESSION
 BENCH=("$PY" -m backfill.bench.cli)  # the bench commands alone: no server dependencies
 ROOFLINE_ARGS=(--device cuda --dtype bfloat16 --batch-sizes 1 8 32 64 --measure-steps 30 --repeats 3)
 EAGER_ARGS=(--device cuda --dtype bfloat16 --batch-sizes 1 32 --measure-steps 20 --repeats 1 --enforce-eager)
-# 64 requests at 32 slots, one round: on the H200 (session 48) eager steps took ~25 ms (static
-# batching's padded steps and every step with a prompt run eagerly), so 128 requests and two
-# rounds did not finish in 100 s.
+# 64 requests at 32 slots, one round: on the H200 (session 48) eager steps took ~25 ms (every
+# step with a prompt runs eagerly; static batching's padded steps did then too), so 128 requests
+# and two rounds did not finish in 100 s.
 COMPARE_ARGS=(--device cuda --dtype bfloat16 --num-requests 64 --batch-size 32 --repeats 1 --no-roofline --no-progress)
 bench_model() {  # bench_model TAG MODEL_ARGS...: the roofline (graphs, then eager), then
     local tag=$1; shift  # continuous vs static vs transformers generate()

@@ -19,6 +19,8 @@ and vLLM do):
       seq_lens      position + 1               1
 
   and only the first n logits rows are returned (padded rows never reach the sampler);
+- a static batch's padding rows (finished slots still computed) are rows of the step like any
+  other, over the scratch block;
 - prompt steps, mixed steps, steps of more sequences than the largest size and sequences
   longer than the largest block budget run eagerly (ModelRunner's ordinary path).
 
@@ -40,6 +42,7 @@ from torch import Tensor
 from backfill.core.outputs import SchedulerOutput
 from backfill.model.llama import LlamaForCausalLM
 from backfill.model.static_decode import build_static_decode_metadata
+from backfill.worker.input_batch import padding_rows
 
 logger = logging.getLogger(__name__)
 
@@ -92,16 +95,19 @@ class DecodeInputs:
         return max(len(table) for table in self.block_tables)
 
 
-def decode_inputs(scheduler_output: SchedulerOutput) -> DecodeInputs | None:
-    """The step as DecodeInputs when every scheduled sequence computes exactly one token and
-    no padding rows are asked for (static batches); else None (an eager step)."""
+def decode_inputs(scheduler_output: SchedulerOutput, scratch_block: int, block_size: int) -> DecodeInputs | None:
+    """The step as DecodeInputs when every scheduled sequence computes exactly one token, else
+    None (an eager step). A static batch's padding rows (`padding_seq_lens`) come after the
+    scheduled rows, as build_batch lays them out: a dummy token over that many tokens of the
+    scratch block, never sampled."""
     scheduled = scheduler_output.scheduled
-    if not scheduled or scheduler_output.padding_seq_lens or any(item.num_tokens != 1 for item in scheduled):
+    if not scheduled or any(item.num_tokens != 1 for item in scheduled):
         return None
+    padding_positions, padding_tables = padding_rows(scheduler_output.padding_seq_lens, scratch_block, block_size)
     return DecodeInputs(
-        input_ids=[item.token_ids[0] for item in scheduled],
-        positions=[item.num_computed_tokens for item in scheduled],
-        block_tables=[item.block_ids for item in scheduled],
+        input_ids=[item.token_ids[0] for item in scheduled] + [0] * len(padding_positions),
+        positions=[item.num_computed_tokens for item in scheduled] + padding_positions,
+        block_tables=[item.block_ids for item in scheduled] + padding_tables,
         sample_rows=[i for i, item in enumerate(scheduled) if item.sample],
     )
 

@@ -209,7 +209,8 @@ class ModelRunner:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
 
         prompt_rows = self.prompt_logprobs.rows(scheduler_output.scheduled)
-        decode = None if self.graph_runner is None or prompt_rows else decode_inputs(scheduler_output)
+        decode = (None if self.graph_runner is None or prompt_rows
+                  else decode_inputs(scheduler_output, self.scratch_block, self.block_size))
         if decode is not None and self.graph_runner is not None and self.graph_runner.graph_key(decode) is not None:
             return self._execute_graphed(scheduler_output, decode, grammar_bitmask)
         batch = build_batch(scheduler_output, self.block_size, self.device, self.scratch_block,

@@ -58,16 +58,21 @@ def test_buffers_pad_rows_onto_the_scratch_block() -> None:
         buffers.fill(step, size=2, num_blocks=3)  # 3 rows do not fit 2
 
 
-def test_only_one_token_steps_without_padding_rows_are_graphed() -> None:
+def test_only_one_token_steps_are_graphed() -> None:
     def item(name: str, tokens: list[int], computed: int, sample: bool = True) -> ScheduledRequest:
         return ScheduledRequest(name, tokens, computed, [4, 5], sample)
 
+    scratch, block_size = 99, 16
     decode = SchedulerOutput([item("a", [7], 20), item("b", [8], 3, sample=False)])
-    inputs = decode_inputs(decode)
+    inputs = decode_inputs(decode, scratch, block_size)
     assert inputs is not None
     assert (inputs.input_ids, inputs.positions, inputs.sample_rows) == ([7, 8], [20, 3], [0])
-    assert decode_inputs(SchedulerOutput([item("a", [7], 20), item("b", [1, 2], 0)])) is None  # a prompt
-    assert decode_inputs(SchedulerOutput([item("a", [7], 20)], padding_seq_lens=[9])) is None  # static padding
+    assert decode_inputs(SchedulerOutput([item("a", [7], 20), item("b", [1, 2], 0)]), scratch, block_size) is None
+    # a static batch's padding rows: after the scheduled ones, over the scratch block, never sampled
+    static = decode_inputs(SchedulerOutput([item("a", [7], 20)], padding_seq_lens=[9, 40]), scratch, block_size)
+    assert static is not None
+    assert (static.input_ids, static.positions, static.sample_rows) == ([7, 0, 0], [20, 8, 39], [0])
+    assert static.block_tables == [[4, 5], [scratch], [scratch] * 3]
 
 
 def twin_drivers(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> tuple[PagedDriver, PagedDriver, int]:
@@ -145,15 +150,9 @@ def check_padded_steps(device: torch.device, dtype: torch.dtype, capture: bool, 
     assert runner.graph_key(too_many) is None and runner.graph_key(too_long) is None
 
 
-def test_engine_decodes_through_the_graph_runner_as_it_does_eagerly() -> None:
-    """The ModelRunner's graphed path (installed by hand on CPU, where it runs the padded step
-    eagerly) gives the eager engine's greedy tokens. The first step cannot take every prompt
-    (24 tokens), and a prompt budget of 2 units then feeds the rest one token a step beside the
-    decodes: steps of one token a row where a prompt's row samples nothing."""
-    llm = LLM(dtype="float32", quantization="none", prepack_weights=False, max_num_seqs=8, enable_prefix_caching=False,
-              max_num_batched_tokens=24, prefill_budget=2, seed=0)
-    prompts = [[1 + (31 * i + 7 * j) % 4000 for j in range(length)] for i, length in enumerate((9, 14, 6, 11, 8))]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 6, 1, 5, 3)]
+def _graphed_as_eager(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[DecodeInputs]:
+    """`llm`'s greedy tokens through the ModelRunner's graphed path (installed by hand on CPU,
+    where it runs the padded step eagerly) equal its eager tokens; returns the graphed steps."""
     eager = [out.token_ids for out in llm.generate(prompts, params)]
     runner = llm.engine.runner
     graph_runner = CudaGraphRunner(runner.model, runner.kv_caches, 8, runner.max_model_len,  # type: ignore[arg-type]
@@ -167,5 +166,28 @@ def test_engine_decodes_through_the_graph_runner_as_it_does_eagerly() -> None:
     finally:
         runner.graph_runner = None
     assert graphed == eager
+    return calls
+
+
+def test_engine_decodes_through_the_graph_runner_as_it_does_eagerly() -> None:
+    """The first step cannot take every prompt (24 tokens), and a prompt budget of 2 units then
+    feeds the rest one token a step beside the decodes: steps of one token a row where a
+    prompt's row samples nothing."""
+    llm = LLM(dtype="float32", quantization="none", prepack_weights=False, max_num_seqs=8, enable_prefix_caching=False,
+              max_num_batched_tokens=24, prefill_budget=2, seed=0)
+    prompts = [[1 + (31 * i + 7 * j) % 4000 for j in range(length)] for i, length in enumerate((9, 14, 6, 11, 8))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 6, 1, 5, 3)]
+    calls = _graphed_as_eager(llm, prompts, params)
     assert calls and max(step.num_seqs for step in calls) >= 3  # padded: 3 rows run as 4
-    assert any(len(step.sample_rows) < step.num_seqs for step in calls)  # a prompt chunk's row rode along
+
+
+def test_static_batches_padding_rows_go_through_the_graph_runner() -> None:
+    """Static batching's fixed-shape steps (finished slots computed as padding rows over the
+    scratch block) run through the graphed path too, with the eager path's tokens."""
+    llm = LLM(dtype="float32", quantization="none", prepack_weights=False, max_num_seqs=4, enable_prefix_caching=False,
+              policy="static", static_padding=True, seed=0)
+    prompts = [[1 + (17 * i + 5 * j) % 4000 for j in range(length)] for i, length in enumerate((7, 12, 5, 9, 10))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 7, 3, 5, 4)]
+    calls = _graphed_as_eager(llm, prompts, params)
+    padded = [step for step in calls if step.num_seqs > len(step.sample_rows)]
+    assert padded and all(step.sample_rows == list(range(len(step.sample_rows))) for step in padded)
