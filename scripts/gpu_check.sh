@@ -17,7 +17,7 @@
 #   scripts/gpu_check.sh --part 2   (carry .gpu_assets/2, within the machine's warm window, so
 #       that part 1's files are still there) assembles the model and runs the rest: parity with
 #       transformers, bf16, the engine's graphs and batch invariance, then a profile of the
-#       default model's decode step (scripts/profile_step.py, graphs and eager) and the benches
+#       default model's steps (scripts/profile_step.py: graphed and eager decodes, mixed steps) and the benches
 #       on the default model and on the 1B folder (whose tokenizer is the default model's).
 # GPU_CHECK_TESTS=0 skips the tests (a rerun of the benches).
 # Without an argument it runs both parts in one go (a machine where the model is installed, or
@@ -158,9 +158,12 @@ fi
 if [ "$PART" != 1 ]; then
     if [ "$MODEL_OK" = 1 ]; then
         [ "$TESTS" = 1 ] && pytest_gpu gpu_tests_2 120 "not ($NO_MODEL_TESTS)"
-        for mode in graphs eager; do  # which ops a decode step's time goes to (host and device)
+        # Which ops a step's time goes to (host and device): decode steps replayed from graphs,
+        # decode steps eager, and mixed steps (an admission beside 31 decodes, eager).
+        for mode in graphs eager admit; do
             run_step "profile_${mode}_default" 40 "$PY" scripts/profile_step.py --device cuda --dtype bfloat16 \
-                $([ $mode = eager ] && echo --enforce-eager) --result-file "$STAGE/results/profile_${mode}_default.json"
+                $([ $mode = eager ] && echo --enforce-eager) $([ $mode = admit ] && echo --admit) \
+                --result-file "$STAGE/results/profile_${mode}_default.json"
         done
         bench_model default
         # (its tokenizer files are the default model's)

@@ -1,10 +1,11 @@
 """Where a decode step's time goes: `num_steps` decode steps of `batch` sequences at ~`context`
 tokens under torch.profiler, for the engine as configured (CUDA graphs, or `--enforce-eager`).
+With `--admit`, mixed steps instead (continuous batching's admissions).
 Prints the top ops by host (self CPU) time and, on CUDA, the top kernels by device time, with
 how many of each one step launches; writes the same as JSON. Usage:
 
     python scripts/profile_step.py [--device cuda] [--dtype bfloat16] [--enforce-eager]
-        [--model PATH] [--batch 32] [--context 128] [--steps 10] [--result-file F]
+        [--model PATH] [--batch 32] [--context 128] [--steps 10] [--admit] [--result-file F]
 
 (The GPU session's first question: on the H200 an eager step of the default model took ~25 ms
 for ~800 kernels, ~30 us of host time each; this says which ops those are.)
@@ -23,9 +24,12 @@ from backfill.bench.offline import greedy_params, make_engine, warm_up
 from backfill.config import EngineConfig
 
 
-def decode_steps_under_profiler(engine, batch: int, context: int, num_steps: int, activities) -> tuple[profile, int]:
+def decode_steps_under_profiler(engine, batch: int, context: int, num_steps: int, activities,
+                                admit: bool = False) -> tuple[profile, int]:
     """Admit `batch` prompts of `context` tokens, step until every one decodes, then profile
-    `num_steps` decode-only steps; returns (the profile, steps profiled)."""
+    `num_steps` decode-only steps, or with `admit` mixed steps (before each, the oldest
+    sequence is aborted and a new prompt of `context` tokens added: batch - 1 decodes beside a
+    whole prompt); returns (the profile, steps profiled as planned)."""
     tag = time.monotonic_ns()
     ids = [f"profile-{tag}-{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
@@ -38,10 +42,18 @@ def decode_steps_under_profiler(engine, batch: int, context: int, num_steps: int
             break
     profiled = 0
     with profile(activities=activities) as prof:
-        for _ in range(num_steps):
+        for step in range(num_steps):
+            if admit:  # continuous batching's admission: one sequence leaves, a new prompt comes
+                engine.abort_request([ids[step]])
+                ids.append(f"profile-{tag}-{batch + step}")
+                prompt = [(300 + 11 * step + 13 * j) % 40000 + 10 for j in range(context)]
+                engine.add_request(ids[-1], prompt, greedy_params(num_steps + 64))
             engine.step()
             stats = engine.last_step_stats
-            profiled += int(stats is not None and stats.num_prefill_tokens == 0 and stats.num_decode_tokens == batch)
+            if admit:  # (the prompt may come in chunks, per the engine's prefill budget)
+                profiled += int(stats is not None and stats.num_prefill_tokens > 0)
+            else:
+                profiled += int(stats is not None and stats.num_prefill_tokens == 0 and stats.num_decode_tokens == batch)
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
@@ -54,6 +66,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--admit", action="store_true",
+                        help="mixed steps: each step one sequence leaves and a new prompt of --context tokens joins")
     parser.add_argument("--result-file", default=None)
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args()
@@ -63,16 +77,18 @@ def main() -> None:
     warm_up(engine)
     on_cuda = config.device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    prof, profiled = decode_steps_under_profiler(engine, args.batch, args.context, args.steps, activities)
+    prof, profiled = decode_steps_under_profiler(engine, args.batch, args.context, args.steps, activities, args.admit)
     averages = prof.key_averages()
     steps = max(profiled, 1)
     host = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
-    summary: dict = {"device": config.device, "enforce_eager": config.enforce_eager, "batch": args.batch,
+    summary: dict = {"device": config.device, "enforce_eager": config.enforce_eager, "admit": args.admit,
+                     "batch": args.batch,
                      "context": args.context, "steps": profiled,
                      "graphs": engine.runner.graph_runner is not None,
                      "host_ops": [{"name": e.key, "calls_per_step": e.count / steps,
                                    "self_cpu_us_per_step": e.self_cpu_time_total / steps} for e in host]}
-    print(f"{profiled} decode steps of {args.batch} sequences at ~{args.context} tokens "
+    kind = f"mixed steps (a {args.context}-token prompt beside {args.batch - 1} decodes)" if args.admit else "decode steps"
+    print(f"{profiled} {kind} of {args.batch} sequences at ~{args.context} tokens "
           f"({config.device}, {'CUDA graphs' if summary['graphs'] else 'eager'})")
     print("host: self CPU time per step")
     for row in summary["host_ops"]:
