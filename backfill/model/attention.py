@@ -30,8 +30,30 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A boolean attention mask (True: attend) as the additive bias SDPA turns it into (0 or
+    -inf in `dtype`): the same numbers, so SDPA gives the same bits from either."""
+    return torch.zeros_like(mask, dtype=dtype).masked_fill_(~mask, float("-inf"))
+
+
+class _StepMask:
+    """A step's boolean `mask` (None: none) and its additive form, converted by the first layer
+    that asks (`attn_bias`) and shared by the others: SDPA converts a boolean mask in every call
+    (a scalar tensor and a `where`: kernels of every layer on a GPU)."""
+
+    mask: Tensor | None
+    _bias: Tensor | None
+
+    def attn_bias(self, dtype: torch.dtype) -> Tensor | None:
+        if self.mask is None:
+            return None
+        if self._bias is None or self._bias.dtype != dtype:
+            self._bias = additive_mask(self.mask, dtype)
+        return self._bias
+
+
 @dataclass
-class PrefillSpan:
+class PrefillSpan(_StepMask):
     """A sequence whose query has more than one token this step (a prompt or a prompt chunk)."""
 
     token_start: int  # first row of the flat batch
@@ -39,16 +61,18 @@ class PrefillSpan:
     kv_len: int  # tokens of this sequence in the cache after this step
     block_ids: Tensor  # [ceil(kv_len / block_size)] int64
     mask: Tensor | None  # [query_len, kv_len] bool (True: attend); None: plain causal (no prefix)
+    _bias: Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
 
 @dataclass
-class DecodeGroup:
+class DecodeGroup(_StepMask):
     """Query-length-1 sequences attended together in one padded SDPA call."""
 
     num_seqs: int
     rows: slice | Tensor  # their rows of the flat batch: a slice when consecutive, else [n] int64
     block_ids: Tensor  # [num_seqs * group_blocks] int64, each table cut/padded (block 0) to group_blocks
     mask: Tensor  # [num_seqs, 1, 1, group_blocks * block_size] bool, True below the sequence length
+    _bias: Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
 
 # Cost of one more decode group, in gathered KV slots: a group adds ~5 small kernels per layer
@@ -317,7 +341,7 @@ def paged_attention(
         q_span = q[span.token_start : span.token_end]  # [q, H, D]
         q_span = q_span.reshape(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, q, D]
         o = F.scaled_dot_product_attention(
-            q_span, k, v, attn_mask=span.mask, is_causal=span.mask is None, scale=scale
+            q_span, k, v, attn_mask=span.attn_bias(q.dtype), is_causal=span.mask is None, scale=scale
         )  # [Hkv, G, q, D]
         out_span = out[span.token_start : span.token_end]  # [q, H, D]
         out_span.view(num_q, num_kv_heads, group, head_dim).copy_(o.permute(2, 0, 1, 3))
@@ -360,7 +384,7 @@ def _decode_attention(
     # The G query heads of one KV head act as G query rows against that head's keys.
     q_rows = q_dec.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [n, Hkv, G, D]
     return F.scaled_dot_product_attention(
-        q_rows, k.transpose(1, 2), v.transpose(1, 2), attn_mask=dg.mask, scale=scale
+        q_rows, k.transpose(1, 2), v.transpose(1, 2), attn_mask=dg.attn_bias(q_dec.dtype), scale=scale
     )  # [n, Hkv, G, D]
 
 
