@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -25,11 +26,11 @@ from backfill.config import EngineConfig
 
 
 def decode_steps_under_profiler(engine, batch: int, context: int, num_steps: int, activities,
-                                admit: bool = False) -> tuple[profile, int]:
+                                admit: bool = False) -> tuple[profile, list[float]]:
     """Admit `batch` prompts of `context` tokens, step until every one decodes, then profile
     `num_steps` decode-only steps, or with `admit` mixed steps (before each, the oldest
     sequence is aborted and a new prompt of `context` tokens added: batch - 1 decodes beside a
-    whole prompt); returns (the profile, steps profiled as planned)."""
+    whole prompt); returns (the profile, the wall times of the steps of the planned kind, s)."""
     tag = time.monotonic_ns()
     ids = [f"profile-{tag}-{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
@@ -40,7 +41,7 @@ def decode_steps_under_profiler(engine, batch: int, context: int, num_steps: int
         stats = engine.last_step_stats
         if stats is not None and stats.num_prefill_tokens == 0 and stats.num_decode_tokens == batch:
             break
-    profiled = 0
+    profiled, durations = 0, []
     with profile(activities=activities) as prof:
         for step in range(num_steps):
             if admit:  # continuous batching's admission: one sequence leaves, a new prompt comes
@@ -51,13 +52,16 @@ def decode_steps_under_profiler(engine, batch: int, context: int, num_steps: int
             engine.step()
             stats = engine.last_step_stats
             if admit:  # (the prompt may come in chunks, per the engine's prefill budget)
-                profiled += int(stats is not None and stats.num_prefill_tokens > 0)
+                planned = stats is not None and stats.num_prefill_tokens > 0
             else:
-                profiled += int(stats is not None and stats.num_prefill_tokens == 0 and stats.num_decode_tokens == batch)
+                planned = stats is not None and stats.num_prefill_tokens == 0 and stats.num_decode_tokens == batch
+            if planned:
+                profiled += 1
+                durations.append(stats.duration)
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    return prof, profiled
+    return prof, durations
 
 
 def main() -> None:
@@ -77,19 +81,24 @@ def main() -> None:
     warm_up(engine)
     on_cuda = config.device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    prof, profiled = decode_steps_under_profiler(engine, args.batch, args.context, args.steps, activities, args.admit)
+    prof, durations = decode_steps_under_profiler(engine, args.batch, args.context, args.steps, activities, args.admit)
+    profiled = len(durations)
     averages = prof.key_averages()
     steps = max(profiled, 1)
     host = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
     summary: dict = {"device": config.device, "enforce_eager": config.enforce_eager, "admit": args.admit,
                      "batch": args.batch,
                      "context": args.context, "steps": profiled,
+                     "step_ms": sorted(d * 1000 for d in durations),  # under the profiler: slower than bare
                      "graphs": engine.runner.graph_runner is not None,
                      "host_ops": [{"name": e.key, "calls_per_step": e.count / steps,
                                    "self_cpu_us_per_step": e.self_cpu_time_total / steps} for e in host]}
     kind = f"mixed steps (a {args.context}-token prompt beside {args.batch - 1} decodes)" if args.admit else "decode steps"
     print(f"{profiled} {kind} of {args.batch} sequences at ~{args.context} tokens "
-          f"({config.device}, {'CUDA graphs' if summary['graphs'] else 'eager'})")
+          f"({config.device}, {'CUDA graphs' if summary['graphs'] else 'eager'}), "
+          f"{statistics.median(summary['step_ms']) if durations else float('nan'):.2f} ms a step (median, profiled)")
+    if not host:
+        print("(no torch op ran on the host: the CPU kernels' decode steps call none)")
     print("host: self CPU time per step")
     for row in summary["host_ops"]:
         print(f"  {row['self_cpu_us_per_step']:9.1f} us  {row['calls_per_step']:7.1f} calls  {row['name']}")
