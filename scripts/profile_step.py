@@ -22,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from backfill.bench.offline import greedy_params, make_engine, warm_up
+from backfill.bench.workloads import distinct_prompt_ids
 from backfill.config import EngineConfig
 
 
@@ -34,8 +35,7 @@ def decode_steps_under_profiler(engine, batch: int, context: int, num_steps: int
     tag = time.monotonic_ns()
     ids = [f"profile-{tag}-{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
-        prompt = [(100 + 7 * i + 13 * j) % 40000 + 10 for j in range(context)]
-        engine.add_request(request_id, prompt, greedy_params(num_steps + 64))
+        engine.add_request(request_id, distinct_prompt_ids(i, context), greedy_params(num_steps + 64))
     for _ in range(1000):  # the prompts' steps
         engine.step()
         stats = engine.last_step_stats
@@ -47,8 +47,7 @@ def decode_steps_under_profiler(engine, batch: int, context: int, num_steps: int
             if admit:  # continuous batching's admission: one sequence leaves, a new prompt comes
                 engine.abort_request([ids[step]])
                 ids.append(f"profile-{tag}-{batch + step}")
-                prompt = [(300 + 11 * step + 13 * j) % 40000 + 10 for j in range(context)]
-                engine.add_request(ids[-1], prompt, greedy_params(num_steps + 64))
+                engine.add_request(ids[-1], distinct_prompt_ids(batch + step, context), greedy_params(num_steps + 64))
             engine.step()
             stats = engine.last_step_stats
             if admit:  # (the prompt may come in chunks, per the engine's prefill budget)
@@ -93,7 +92,9 @@ def main() -> None:
                      "graphs": engine.runner.graph_runner is not None,
                      "host_ops": [{"name": e.key, "calls_per_step": e.count / steps,
                                    "self_cpu_us_per_step": e.self_cpu_time_total / steps} for e in host]}
-    kind = f"mixed steps (a {args.context}-token prompt beside {args.batch - 1} decodes)" if args.admit else "decode steps"
+    kind = "decode steps"
+    if args.admit:
+        kind = f"mixed steps (a {args.context}-token prompt beside {args.batch - 1} decodes)"
     print(f"{profiled} {kind} of {args.batch} sequences at ~{args.context} tokens "
           f"({config.device}, {'CUDA graphs' if summary['graphs'] else 'eager'}), "
           f"{statistics.median(summary['step_ms']) if durations else float('nan'):.2f} ms a step (median, profiled)")

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from backfill.bench.local_server import local_server
+from backfill.bench.workloads import WorkloadSpec, generate_workload, save_workload
 
 
 def check_endpoints(url: str) -> dict:
@@ -66,7 +67,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="serve_check_"))
     bench = [sys.executable, "-m", "backfill.bench.cli"]
     workload = work / "workload.jsonl"
-    subprocess.run([*bench, "workload", "-o", str(workload), "--num-requests", str(args.num_requests)], check=True)
+    save_workload(generate_workload(WorkloadSpec(num_requests=args.num_requests)), workload)
     flags = ["--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
              *args.serve_flags]
     start = time.perf_counter()

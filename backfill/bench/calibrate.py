@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from backfill.bench.cost_model import Calibration, StepShape, calibration_from_steps, step_shape
+from backfill.bench.workloads import WorkloadRequest, distinct_prompt_ids
 from backfill.config import EngineConfig
 from backfill.core.outputs import SchedulerOutput
 
@@ -95,10 +96,6 @@ def run_calibration(config: EngineConfig, show_progress: bool = False,
     )
 
 
-def _prompt(seed: int, length: int) -> list[int]:
-    return [(100 + 7 * seed + 13 * j) % 40000 + 10 for j in range(length)]
-
-
 def _run_scenario(engine: LLMEngine, scenario: Scenario, tag: str
                   ) -> tuple[list[StepShape], list[float], list[float]]:
     """Run one scenario to the end; every step's shape, the core's time for it, and the time
@@ -130,14 +127,15 @@ def _run_scenario(engine: LLMEngine, scenario: Scenario, tag: str
     try:
         first = 0
         if scenario.shared:  # the prompt's blocks computed once, the others reuse them
-            engine.add_request(f"{tag}-0", _prompt(0, scenario.prompt_len), params)
+            engine.add_request(f"{tag}-0", distinct_prompt_ids(0, scenario.prompt_len), params)
             run_until(lambda: scheduler.running and scheduler.running[0].num_output_tokens > 0)
             first = 1
         for i in range(first, scenario.batch):
-            engine.add_request(f"{tag}-{i}", _prompt(0 if scenario.shared else i, scenario.prompt_len), params)
+            prompt = distinct_prompt_ids(0 if scenario.shared else i, scenario.prompt_len)
+            engine.add_request(f"{tag}-{i}", prompt, params)
         num_steps = len(seconds)
         run_until(lambda: len(seconds) >= num_steps + 3)
-        engine.add_request(f"{tag}-late", _prompt(999, scenario.late_prompt_len), greedy_params(2))
+        engine.add_request(f"{tag}-late", distinct_prompt_ids(999, scenario.late_prompt_len), greedy_params(2))
         run_until(lambda: False)
     finally:
         del scheduler.schedule
@@ -164,14 +162,13 @@ def probe_server(base_url: str, calibration: Calibration, config: EngineConfig,
     from backfill.bench.planner import sim_requests
     from backfill.bench.serve_client import ServeBenchConfig, run_serve_benchmark
     from backfill.bench.simulator import simulate
-    from backfill.bench.workloads import WorkloadRequest
 
     bench = ServeBenchConfig(base_url=base_url, show_progress=False, api_key=api_key)
     if num_slots is None:
         num_slots = _server_slots(bench)
     served_config = replace(config, max_num_seqs=num_slots)
     # 1. Single requests, one at a time: TTFT = front end + one prefill step.
-    singles = [WorkloadRequest(max_tokens=1, prompt_token_ids=_prompt(500 + i, 32), arrival_time=0.6 * i)
+    singles = [WorkloadRequest(max_tokens=1, prompt_token_ids=distinct_prompt_ids(500 + i, 32), arrival_time=0.6 * i)
                for i in range(6)]
 
     def measure(requests: list[WorkloadRequest]) -> dict[str, Any]:
@@ -207,13 +204,11 @@ def probe_server(base_url: str, calibration: Calibration, config: EngineConfig,
 def _burst(num_slots: int, seed: int, max_tokens: int | None = None) -> list[WorkloadRequest]:
     """PROBE_REQUESTS_PER_SLOT x `num_slots` requests at once: prompts of 16-192 tokens, half of
     them answered in 2-8 tokens and half in 32-160 (or all in `max_tokens`); new prompts per seed."""
-    from backfill.bench.workloads import WorkloadRequest
-
     rng = random.Random(seed)
     requests = []
     for i in range(int(PROBE_REQUESTS_PER_SLOT * num_slots)):
         tokens = max_tokens or (rng.randint(2, 8) if i % 2 else rng.randint(32, 160))
-        prompt = _prompt(1000 * seed + 7 * i + 3, rng.randint(16, 192))
+        prompt = distinct_prompt_ids(1000 * seed + 7 * i + 3, rng.randint(16, 192))
         requests.append(WorkloadRequest(max_tokens=tokens, prompt_token_ids=prompt, arrival_time=0.0))
     return requests
 

@@ -40,7 +40,7 @@ def _median_replay_ms(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
 
 def count_step_kernels(graph_runner: Any, size: int, num_blocks: int) -> int:
     """Device activities (kernels, memsets, copies) of one eager run of the (size, num_blocks)
-    decode step over the graph runner's buffers."""
+    decode step over the graph runner's buffers (left filled with that step's padding rows)."""
     from torch.profiler import ProfilerActivity, profile
 
     graph_runner.buffers.fill(None, size, num_blocks)  # padding only: writes the scratch block
@@ -82,8 +82,7 @@ def measure_graph_floor(graph_runner: Any, batch_size: int, context_len: int) ->
     key = graph_runner.graph_key(step)
     if key is None or key not in graph_runner.graphs:
         return None
-    kernels = count_step_kernels(graph_runner, *key)
-    graph_runner.buffers.fill(None, *key)
+    kernels = count_step_kernels(graph_runner, *key)  # the buffers then hold the dummy step the replay reads
     return {
         "graph_key": list(key),
         "kernels": kernels,

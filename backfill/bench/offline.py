@@ -17,7 +17,7 @@ from tqdm import tqdm
 from backfill.bench.economics import unit_economics
 from backfill.bench.metrics import RequestResult, percentile, result_from_token_times, summarize
 from backfill.bench.roofline import MachineRoofline, ModelShape, ideal_step
-from backfill.bench.workloads import WorkloadRequest
+from backfill.bench.workloads import WorkloadRequest, distinct_prompt_ids
 from backfill.core.outputs import StepStats
 from backfill.sampling_params import SamplingParams
 
@@ -236,8 +236,7 @@ def measure_decode_step(engine: LLMEngine, batch_size: int, prompt_len: int, num
     tag = time.monotonic_ns()
     request_ids = [f"roofline-{tag}-{i}" for i in range(batch_size)]
     for i, request_id in enumerate(request_ids):
-        prompt = [(100 + 7 * i + 13 * j) % 40000 + 10 for j in range(prompt_len)]
-        engine.add_request(request_id, prompt, greedy_params(max_len - prompt_len))
+        engine.add_request(request_id, distinct_prompt_ids(i, prompt_len), greedy_params(max_len - prompt_len))
     decode_times: list[float] = []
     while engine.has_unfinished_requests() and len(decode_times) < num_steps:
         engine.step()

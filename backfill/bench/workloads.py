@@ -198,6 +198,12 @@ def make_prompt(num_words: int, rng: np.random.Generator) -> str:
     return " ".join(parts)
 
 
+def distinct_prompt_ids(seed: int, length: int) -> list[int]:
+    """`length` token ids that start differently for every seed below 5,700 (no prefix cache
+    shares them): the prompts of the step-timing benchmarks."""
+    return [(100 + 7 * seed + 13 * j) % 40000 + 10 for j in range(length)]
+
+
 def generate_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
     """Draw `spec.num_requests` requests; the same spec always gives the same workload."""
     if spec.kind in ("shared-prefix", "multi-turn"):
