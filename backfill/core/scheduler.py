@@ -84,6 +84,8 @@ class Scheduler:
         self._arrival_index: dict[str, int] = {}  # breaks ties between equal arrival times
         self._num_arrivals = 0
         self._finished_request_ids: list[str] = []  # finished or aborted since the last schedule()
+        # Ended by the last update_from_output with no token: their grammar rejected it.
+        self.constraint_failed_request_ids: list[str] = []
         self._deadlines: dict[str, float] = {}  # request_id -> deadline, for those that have one
         self._slots: list[str | None] = [None] * self.max_num_seqs
         self._slot_by_request_id: dict[str, int] = {}
@@ -420,7 +422,8 @@ class Scheduler:
         for the very next step).
 
         Returns the requests that changed: got a token and/or finished, in schedule order.
-        Requests aborted since `schedule()` are skipped.
+        Requests aborted since `schedule()` are skipped. A request whose grammar rejects its
+        token ends without it: not among them, but in `constraint_failed_request_ids`.
         """
         now = time.monotonic() if now is None else now
         expected_ids = [s.request_id for s in scheduler_output.scheduled if s.sample]
@@ -429,6 +432,7 @@ class Scheduler:
         )
         assert len(runner_output.sampled_token_ids) == len(expected_ids)
         sampled_token_ids = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids))
+        self.constraint_failed_request_ids = []
         changed: list[Request] = []
         for scheduled in scheduler_output.scheduled:
             request = self._requests.get(scheduled.request_id)
@@ -439,17 +443,20 @@ class Scheduler:
             if not scheduled.sample:
                 continue
             token_id = sampled_token_ids[scheduled.request_id]
-            request.append_output_token(token_id, now)
-            changed.append(request)
             if request.grammar is not None and not request.grammar.accept(token_id):
                 # The mask allowed it, yet the grammar engine took it back: it gave up (a limit
                 # of its own, an unsatisfiable schema) or no allowed token was left to sample.
+                # The token is not the output's: the sequence ends with the tokens its
+                # constraint accepted (constraint_failed_request_ids: ended with no token).
                 logger.warning("request %s: the output constraint failed at token %d: %s", request.request_id,
                                token_id, request.grammar.failure or "no token it allows could be sampled")
                 request.finish_reason = FinishReason.CONSTRAINT
                 self._leave_running(request)
                 self._finish(request, now)
+                self.constraint_failed_request_ids.append(request.request_id)
                 continue
+            request.append_output_token(token_id, now)
+            changed.append(request)
             if request.check_stop():
                 self._leave_running(request)
                 self._finish(request, now)

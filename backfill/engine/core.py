@@ -19,7 +19,7 @@ from backfill.core.outputs import ModelRunnerOutput, SchedulerOutput, StepStats
 from backfill.core.scheduler import Scheduler
 from backfill.engine.messages import CoreInfo, CoreLoad, EngineCoreOutput, EngineCoreRequest
 from backfill.request import FinishReason, Request
-from backfill.structured_output.manager import Grammar, GrammarBitmask, StructuredOutputManager
+from backfill.structured_output.manager import Grammar, GrammarBitmask, StructuredOutputManager, log_line
 from backfill.tokenizer import load_tokenizer
 from backfill.worker.model_runner import ModelRunner
 
@@ -101,7 +101,7 @@ class EngineCore:
         self._gather_prompt_logprobs(runner_output)
         changed = self.scheduler.update_from_output(scheduler_output, runner_output, now)
         outputs = _ended(scheduler_output.timed_out_request_ids, FinishReason.TIMEOUT, now)
-        outputs += _ended(failed, FinishReason.CONSTRAINT, now)
+        outputs += _ended(failed + self.scheduler.constraint_failed_request_ids, FinishReason.CONSTRAINT, now)
         outputs += _outputs(changed, runner_output, now, self.scheduler.num_steps)
         if self._grammars:
             for request_id in [r for r in self._grammars if self.scheduler.get_request(r) is None]:
@@ -126,7 +126,7 @@ class EngineCore:
             if grammar.poll():
                 del self._compiling[request_id]
                 if grammar.error is not None:
-                    logger.error("request %s: %s", request_id, grammar.error)
+                    logger.error("request %s: %s", request_id, log_line(grammar.error))
                     failed.append(request_id)
         self.scheduler.finish_requests(failed, FinishReason.CONSTRAINT)
         return failed
@@ -183,8 +183,8 @@ class EngineCore:
 
 
 def _ended(request_ids: list[str], reason: FinishReason, now: float) -> list[EngineCoreOutput]:
-    """The ends of sequences the core finished before the step, with no token: "timeout" (the
-    deadline passed) or "abort" (the grammar failed to compile)."""
+    """The ends of sequences the core finished with no token: "timeout" (the deadline passed)
+    or "constraint" (the grammar failed to compile, or rejected the token sampled)."""
     return [EngineCoreOutput(request_id=request_id, new_token_ids=[], token_time=now,
                              finish_reason=reason.value) for request_id in request_ids]
 

@@ -34,6 +34,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# The most characters of a grammar engine message that reach the log (see log_line).
+LOG_LINE_CHARS = 200
+
+
+def log_line(message: str) -> str:
+    """`message` as one bounded log line: its first line, non-printable characters escaped, cut
+    at LOG_LINE_CHARS. llguidance's messages go on with its parser state and the request's whole
+    grammar, text a user wrote: verbatim, any request could write lines of any length, or lines
+    that look like the server's own, into its log."""
+    lines = message.splitlines()
+    first = lines[0] if lines else ""
+    line = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in first)
+    cut = len(line) > LOG_LINE_CHARS or len(lines) > 1
+    return line[:LOG_LINE_CHARS] + (" [...]" if cut else "")
+
 # Compiles run here, off the step; llguidance drops the GIL while it compiles. One thread: a
 # compile is CPU work, and the step's matmuls already use the other cores.
 NUM_COMPILE_THREADS = 1
@@ -81,8 +96,8 @@ class Grammar:
 
     @property
     def failure(self) -> str | None:
-        """Why the grammar engine gave up on this sequence (None: it has not)."""
-        return self.matcher.get_error() if self.matcher.is_error() else None
+        """Why the grammar engine gave up on this sequence, as one log line (None: it has not)."""
+        return log_line(self.matcher.get_error()) if self.matcher.is_error() else None
 
     @property
     def terminated(self) -> bool:

@@ -166,6 +166,23 @@ def test_a_slow_compile_does_not_delay_other_requests(llm_fp32: LLM) -> None:
         release.set()
 
 
+def test_a_constraint_no_allowed_token_meets_ends_with_the_tokens_it_accepted(
+        llm_fp32: LLM, caplog: pytest.LogCaptureFixture) -> None:
+    """allowed_token_ids that leave the grammar no token after "aaaa": the sequence ends
+    "constraint" with the tokens the grammar accepted, never the one it rejected, and the log
+    says why in one bounded line (llguidance's message goes on with the user's grammar)."""
+    [a] = llm_fp32.tokenizer.encode("a", add_special_tokens=False)
+    grammar = "(a|b){4}c" + "|(\n2026-01-01 ERROR forged line)" * 40  # the rest is never reached
+    params = SamplingParams(max_tokens=16, structured_outputs=Structured(regex=grammar), allowed_token_ids=[a])
+    with caplog.at_level("WARNING", logger="backfill.core.scheduler"):
+        [output] = llm_fp32.generate(["Say a"], params)
+    completion = output.outputs[0]
+    assert (completion.finish_reason, completion.text, completion.token_ids) == ("constraint", "aaaa", [a] * 4)
+    [record] = [r for r in caplog.records if "output constraint failed" in r.getMessage()]
+    message = record.getMessage()
+    assert "\n" not in message and "forged" not in message and len(message) < 400, message
+
+
 def test_a_grammar_that_fails_in_the_core_ends_its_request(llm_fp32: LLM) -> None:
     """The front ends check grammars first; the core still ends one that fails ("constraint":
     the server answers with an error)."""
