@@ -104,13 +104,19 @@ constexpr int kQ8NT1 = 2;
 constexpr int kQ8NT = 1;
 constexpr int kQ8MR = 4;
 
-// Blocking (16 ymm): fused MR x NT x 2 accumulators; panels (9+ rows) run 6 x 16 (12
-// accumulators, 2 weight registers, a broadcast).
+// Blocking (16 ymm): fused MR x NT x 2 accumulators; panels (65+ rows: prompt chunks) run 6 x 16
+// (12 accumulators, 2 weight registers, a broadcast).
 constexpr int kFusedMaxM = 4;
-// 5-8 rows: two fused halves (on a Zen 5 EPYC running these AVX2 kernels, BACKFILL_ISA=avx2:
-// the decode step at batch 8 10-15% faster than on the panels, batch 6 the same; not measured on
-// an AVX2-only CPU).
-constexpr bool kFusedHalves = true;
+// 5-64 rows: fused groups of up to 6 rows, one tile a pass, each tile's passes back to back (12
+// chains; y in memory). On a Zen 5 EPYC forced to AVX2 two halves at batch 8 ran 10-15% faster
+// than the panels. On a Zen 4 EPYC forced to AVX2, against the panels (decode step, default
+// model, medians of 20 paired steps, six runs): batch 12 +5%, 16 +2%, 32 +3% to +16%, 64 +2%; a
+// [3072, 576] Q4_1 matrix at 32 rows on one thread, from cache, the same as the panels within
+// the noise: the panels' decoding phase (~7% of their time, measured by skipping it) is gone,
+// while the codes decoded again per group ride on the pipes the FMAs leave free. Groups of 4 (8
+// chains) ran no faster than the panels.
+constexpr int kFusedGroupMR = 6;
+constexpr int kFusedGroupsMaxM = 64;
 // Tiles a fused call takes: one row 3 (6 FMA chains), two rows 2 (8 chains), where 2 and 1 left
 // 4: 2 FMA pipes x 4 cycles of latency need 8 in flight. On a Zen 4 forced to AVX2 (one thread,
 // weights in cache, a [3072, 768] matrix of each type) one row ran 8-11% faster for F16 / Q4_0 /

@@ -8,7 +8,7 @@
 //   vf_nib_lo (float(v & 15)),
 //   vf_block_tree (the sum of the 16 lanes in block_sum's order, packed.h),
 //   pack_x16 (x's 16 rows column by column, as many columns as it does: see pack_x);
-//   and the blocking constants: kFusedMaxM, fused_nt(mr), kFusedHalves, kVfRegs, kPanelNT, kPanelMaxMR,
+//   and the blocking constants: kFusedMaxM, fused_nt(mr), kFusedGroupMR, kFusedGroupsMaxM, kVfRegs, kPanelNT, kPanelMaxMR,
 //   kPanelMaxMRF (the block types' panels), kPanelKc.
 // Everything here has internal linkage: each ISA unit gets its own copy (see isa.h).
 //
@@ -495,30 +495,33 @@ void fused_rows(const TileJob& job, int mr, const float* xp, const float* xs) {
   fused_tiles<Dq, MR, fused_nt(MR)>(job, xp, xs, job.tile_begin, job.tile_end, side);
 }
 
-// kFusedMaxM + 1 .. 2 kFusedMaxM rows: two halves of MA and MB rows, each tile's two passes back
-// to back (the second reads the tile from L1): the decoding in registers overlaps the FMAs,
-// where the panel kernel runs it as a phase of its own.
-template <class Dq, int MA, int MB>
-void fused_pairs(const TileJob& job, const float* xa, const float* xb, const float* sa, const float* sb,
-                 SideCursor& side) {
-  for (int64_t tile = job.tile_begin; tile < job.tile_end; ++tile) {
-    fused_block<Dq, MA, 1>(job, xa, sa, tile, side, 0);
-    fused_block<Dq, MB, 1>(job, xb, sb, tile, side, MA);
+// One tile for an MR-row group (1 <= mr <= kFusedGroupMR), rows [row0, row0 + mr).
+template <class Dq, int MR = 1>
+void fused_group(int mr, const TileJob& job, const float* xp, const float* xs, int64_t tile, SideCursor& side,
+                 int64_t row0) {
+  if constexpr (MR < kFusedGroupMR) {
+    if (mr != MR) return fused_group<Dq, MR + 1>(mr, job, xp, xs, tile, side, row0);
   }
+  fused_block<Dq, MR, 1>(job, xp, xs, tile, side, row0);
 }
 
-// ma = mb or mb + 1, kFusedMaxM / 2 < ma <= kFusedMaxM; xa, xb = the halves packed [K][ma], [K][mb],
-// sa, sb their block sums.
-template <class Dq, int MA = kFusedMaxM / 2 + 1>
-void fused_halves(const TileJob& job, int ma, int mb, const float* xa, const float* xb, const float* sa,
-                  const float* sb) {
-  if constexpr (MA < kFusedMaxM) {
-    if (ma != MA) return fused_halves<Dq, MA + 1>(job, ma, mb, xa, xb, sa, sb);
-  }
+// kFusedMaxM + 1 .. kFusedGroupsMaxM rows: groups of at most kFusedGroupMR rows (block_rows),
+// each tile's passes back to back (the later ones read the tile from L1): the decoding in
+// registers overlaps the FMAs, where the panel kernel runs it as a phase of its own. xp = x
+// packed group after group ([K][mr] each, group g at row0(g) K), xs = their block sums the same
+// way (row0(g) x_sum_blocks).
+template <class Dq>
+void fused_groups(const TileJob& job, const float* xp, const float* xs) {
+  const int64_t num_groups = (job.m + kFusedGroupMR - 1) / kFusedGroupMR, nb = x_sum_blocks<Dq>(job.cols);
   SideCursor side;
-  side.start(job.side, job.side_begin, job.side_end, 2 * (job.tile_end - job.tile_begin) * (job.cols / 32));
-  if (mb == MA) fused_pairs<Dq, MA, MA>(job, xa, xb, sa, sb, side);
-  else fused_pairs<Dq, MA, MA - 1>(job, xa, xb, sa, sb, side);
+  side.start(job.side, job.side_begin, job.side_end, num_groups * (job.tile_end - job.tile_begin) * (job.cols / 32));
+  for (int64_t tile = job.tile_begin; tile < job.tile_end; ++tile) {
+    for (int64_t g = 0, row = 0; g < num_groups; ++g) {
+      const int mr = block_rows(job.m, num_groups, g);
+      fused_group<Dq>(mr, job, xp + row * job.cols, xs + row * nb, tile, side, row);
+      row += mr;
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -531,7 +534,7 @@ void fused_halves(const TileJob& job, int ma, int mb, const float* xa, const flo
 // fold costs 2 FMAs per row, tile and block where the dequantization was shared by the panel's
 // rows: prompt chunks run ~3-8% slower than dequantized (AVX-512 / AVX2, Zen 5).
 
-static_assert(kPanelNT <= 4 && kPanelMaxMR <= 16 && kFusedMaxM <= 16, "partial sums / packed x exceed the scratch");
+static_assert(kPanelNT <= 4 && kPanelMaxMR <= 16 && kFusedMaxM <= 16 && kFusedGroupMR <= 16, "partial sums / packed x exceed the scratch");
 
 // The block types' panels hold codes, not weights; their blocks' d and m wait beside them
 // ([kPanelKc / 16][2][16] floats a tile: the most blocks a chunk holds).
@@ -753,17 +756,16 @@ void run_job(const TileJob& job) {
       fused_rows<Dq>(job, static_cast<int>(job.m), xp, xs);
       return;
     }
-    if constexpr (kFusedHalves) {
-      if (job.m <= 2 * kFusedMaxM && job.m * job.cols <= job_scratch_x_floats(job.cols) && job.cols % 32 == 0) {
-        const int ma = static_cast<int>(job.m + 1) / 2, mb = static_cast<int>(job.m) - ma;
-        float* sb = xs + ma * x_sum_blocks<Dq>(job.cols);
-        pack_x<Dq>(job, 0, ma, xp);
-        pack_x<Dq>(job, ma, mb, xp + ma * job.cols);
-        pack_xs<Dq>(job, 0, ma, xs);
-        pack_xs<Dq>(job, ma, mb, sb);
-        fused_halves<Dq>(job, ma, mb, xp, xp + ma * job.cols, xs, sb);
-        return;
+    if (job.m <= kFusedGroupsMaxM && job.m * job.cols <= job_scratch_x_floats(job.cols) && job.cols % 32 == 0) {
+      const int64_t num_groups = (job.m + kFusedGroupMR - 1) / kFusedGroupMR, nb = x_sum_blocks<Dq>(job.cols);
+      for (int64_t g = 0, row = 0; g < num_groups; ++g) {
+        const int mr = block_rows(job.m, num_groups, g);
+        pack_x<Dq>(job, row, mr, xp + row * job.cols);
+        pack_xs<Dq>(job, row, mr, xs + row * nb);
+        row += mr;
       }
+      fused_groups<Dq>(job, xp, xs);
+      return;
     }
   }
   panel_path<Dq>(job, xp, xs);
