@@ -104,19 +104,24 @@ constexpr int kQ8NT1 = 2;
 constexpr int kQ8NT = 1;
 constexpr int kQ8MR = 4;
 
-// Blocking (16 ymm): fused MR x NT x 2 accumulators; panels (65+ rows: prompt chunks) run 6 x 16
-// (12 accumulators, 2 weight registers, a broadcast).
+// Blocking (16 ymm): fused MR x NT x 2 accumulators; panels (past fused_groups_max_m: prompt
+// chunks) run 6 x 16 (12 accumulators, 2 weight registers, a broadcast).
 constexpr int kFusedMaxM = 4;
-// 5-64 rows: fused groups of up to 6 rows, one tile a pass, each tile's passes back to back (12
-// chains; y in memory). On a Zen 5 EPYC forced to AVX2 two halves at batch 8 ran 10-15% faster
-// than the panels. On a Zen 4 EPYC forced to AVX2, against the panels (decode step, default
-// model, medians of 20 paired steps, six runs): batch 12 +5%, 16 +2%, 32 +3% to +16%, 64 +2%; a
-// [3072, 576] Q4_1 matrix at 32 rows on one thread, from cache, the same as the panels within
-// the noise: the panels' decoding phase (~7% of their time, measured by skipping it) is gone,
-// while the codes decoded again per group ride on the pipes the FMAs leave free. Groups of 4 (8
-// chains) ran no faster than the panels.
+// 5+ rows: fused groups of up to 6 rows, one tile a pass, each tile's passes back to back (12
+// chains; y in memory), up to fused_groups_max_m rows, the panels above. On a Zen 5 EPYC forced
+// to AVX2, two halves (groups of 4) at batch 8 ran 10-15% faster than the panels. On a Zen 4
+// EPYC forced to AVX2 (2 threads), groups of 6 against the panels (9+ rows) and halves (5-8): the
+// decode step (Q4_1, Q8_0 LM head), medians of 20 paired steps: batch 5 +27%, 6 +16%, 12 +20%,
+// 32 +3-16%, 48 +3%; a [3072, 768] matrix of each type at 6 rows +16-53%; at 12 rows F16 / Q4_0
+// / Q4_1 / Q8_0 +7-14%, Q4_K +1%, Q6_K -14%; at 32 rows +6-19%, Q4_K -5%, Q6_K -25%; at 256 rows
+// -3% to +1%, Q4_K -11%, Q6_K -33%. The panels decode a tile once for all rows, as a phase of
+// its own (~7% of their time at 32 rows, measured by skipping it); the groups decode it again
+// per group, on the pipes the FMAs leave free, which the k-quants' decoding overflows. Groups of
+// 4 (8 chains) ran no faster than the panels.
 constexpr int kFusedGroupMR = 6;
-constexpr int kFusedGroupsMaxM = 64;
+constexpr int64_t fused_groups_max_m(QType type) {
+  return type == QType::Q6_K ? 6 : type == QType::Q4_K ? 12 : 64;
+}
 // Tiles a fused call takes: one row 3 (6 FMA chains), two rows 2 (8 chains), where 2 and 1 left
 // 4: 2 FMA pipes x 4 cycles of latency need 8 in flight. On a Zen 4 forced to AVX2 (one thread,
 // weights in cache, a [3072, 768] matrix of each type) one row ran 8-11% faster for F16 / Q4_0 /

@@ -8,7 +8,7 @@
 //   vf_nib_lo (float(v & 15)),
 //   vf_block_tree (the sum of the 16 lanes in block_sum's order, packed.h),
 //   pack_x16 (x's 16 rows column by column, as many columns as it does: see pack_x);
-//   and the blocking constants: kFusedMaxM, fused_nt(mr), kFusedGroupMR, kFusedGroupsMaxM, kVfRegs, kPanelNT, kPanelMaxMR,
+//   and the blocking constants: kFusedMaxM, fused_nt(mr), kFusedGroupMR, fused_groups_max_m(type), kVfRegs, kPanelNT, kPanelMaxMR,
 //   kPanelMaxMRF (the block types' panels), kPanelKc.
 // Everything here has internal linkage: each ISA unit gets its own copy (see isa.h).
 //
@@ -505,21 +505,38 @@ void fused_group(int mr, const TileJob& job, const float* xp, const float* xs, i
   fused_block<Dq, MR, 1>(job, xp, xs, tile, side, row0);
 }
 
-// kFusedMaxM + 1 .. kFusedGroupsMaxM rows: groups of at most kFusedGroupMR rows (block_rows),
+// kFusedMaxM + 1 .. fused_groups_max_m(type) rows: groups of at most kFusedGroupMR rows (block_rows),
 // each tile's passes back to back (the later ones read the tile from L1): the decoding in
-// registers overlaps the FMAs, where the panel kernel runs it as a phase of its own. xp = x
-// packed group after group ([K][mr] each, group g at row0(g) K), xs = their block sums the same
-// way (row0(g) x_sum_blocks).
+// registers overlaps the FMAs, where the panel kernel runs it as a phase of its own. Rows in
+// chunks whose packed x (~512 KB, as the panel kernel's) stays in L2 while all the job's tiles
+// pass over it; each chunk reads the weights again. xp, xs: scratch for a chunk's x packed group
+// after group ([K][mr] each) and their block sums the same way.
 template <class Dq>
-void fused_groups(const TileJob& job, const float* xp, const float* xs) {
-  const int64_t num_groups = (job.m + kFusedGroupMR - 1) / kFusedGroupMR, nb = x_sum_blocks<Dq>(job.cols);
+void fused_groups(const TileJob& job, float* xp, float* xs) {
+  const int64_t nb = x_sum_blocks<Dq>(job.cols);
+  int64_t chunk = kScratchXFloats / job.cols;
+  chunk = chunk < kFusedGroupMR ? kFusedGroupMR : chunk;
+  const auto groups_of = [](int64_t rows) { return (rows + kFusedGroupMR - 1) / kFusedGroupMR; };
   SideCursor side;
-  side.start(job.side, job.side_begin, job.side_end, num_groups * (job.tile_end - job.tile_begin) * (job.cols / 32));
-  for (int64_t tile = job.tile_begin; tile < job.tile_end; ++tile) {
+  if (job.side != nullptr) {
+    int64_t groups = 0;  // group passes per tile, all chunks
+    for (int64_t r0 = 0; r0 < job.m; r0 += chunk) groups += groups_of(chunk < job.m - r0 ? chunk : job.m - r0);
+    side.start(job.side, job.side_begin, job.side_end, groups * (job.tile_end - job.tile_begin) * (job.cols / 32));
+  }
+  for (int64_t r0 = 0; r0 < job.m; r0 += chunk) {
+    const int64_t rows = chunk < job.m - r0 ? chunk : job.m - r0, num_groups = groups_of(rows);
     for (int64_t g = 0, row = 0; g < num_groups; ++g) {
-      const int mr = block_rows(job.m, num_groups, g);
-      fused_group<Dq>(mr, job, xp + row * job.cols, xs + row * nb, tile, side, row);
+      const int mr = block_rows(rows, num_groups, g);
+      pack_x<Dq>(job, r0 + row, mr, xp + row * job.cols);
+      pack_xs<Dq>(job, r0 + row, mr, xs + row * nb);
       row += mr;
+    }
+    for (int64_t tile = job.tile_begin; tile < job.tile_end; ++tile) {
+      for (int64_t g = 0, row = 0; g < num_groups; ++g) {
+        const int mr = block_rows(rows, num_groups, g);
+        fused_group<Dq>(mr, job, xp + row * job.cols, xs + row * nb, tile, side, r0 + row);
+        row += mr;
+      }
     }
   }
 }
@@ -756,14 +773,7 @@ void run_job(const TileJob& job) {
       fused_rows<Dq>(job, static_cast<int>(job.m), xp, xs);
       return;
     }
-    if (job.m <= kFusedGroupsMaxM && job.m * job.cols <= job_scratch_x_floats(job.cols) && job.cols % 32 == 0) {
-      const int64_t num_groups = (job.m + kFusedGroupMR - 1) / kFusedGroupMR, nb = x_sum_blocks<Dq>(job.cols);
-      for (int64_t g = 0, row = 0; g < num_groups; ++g) {
-        const int mr = block_rows(job.m, num_groups, g);
-        pack_x<Dq>(job, row, mr, xp + row * job.cols);
-        pack_xs<Dq>(job, row, mr, xs + row * nb);
-        row += mr;
-      }
+    if (job.m <= fused_groups_max_m(job.type) && job.cols % 32 == 0) {
       fused_groups<Dq>(job, xp, xs);
       return;
     }
