@@ -542,14 +542,15 @@ void fused_groups(const TileJob& job, float* xp, float* xs) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Panel kernel (more rows): NT tiles decoded into fp32 panels [kc][16] a column chunk at a time
-// (kPanelKc columns: the panels stay in L1; F16: weights, the block types: codes, with each
-// block's scale and offset beside them), then every block of MR <= panel_max_mr rows runs an
-// MR x NT register-blocked FMA loop over the chunk (broadcast x, 16-wide weights), so the
-// decoding is shared by all the rows. Between chunks each block's accumulators wait in `part`
-// (fp32, stored and reloaded exactly: the chains are the same as unchunked). The block types'
-// fold costs 2 FMAs per row, tile and block where the dequantization was shared by the panel's
-// rows: prompt chunks run ~3-8% slower than dequantized (AVX-512 / AVX2, Zen 5).
+// Panel kernel (F32 weights at any M; AVX2 past fused_groups_max_m): NT tiles decoded into fp32
+// panels [kc][16] a column chunk at a time (kPanelKc columns: the panels stay in L1; F16: weights,
+// the block types: codes, with each block's scale and offset beside them), then every block of MR
+// <= panel_max_mr rows runs an MR x NT register-blocked FMA loop over the chunk (broadcast x,
+// 16-wide weights), so the decoding is shared by all the rows. Between chunks each block's
+// accumulators wait in `part` (fp32, stored and reloaded exactly: the chains are the same as
+// unchunked). The block types' fold costs 2 FMAs per row, tile and block where the dequantization
+// was shared by the panel's rows: prompt chunks run ~3-8% slower than dequantized (AVX-512 / AVX2,
+// Zen 5).
 
 static_assert(kPanelNT <= 4 && kPanelMaxMR <= 16 && kFusedMaxM <= 16 && kFusedGroupMR <= 16, "partial sums / packed x exceed the scratch");
 
