@@ -17,6 +17,7 @@ from backfill.model.loader import load_model, load_stored_weights, resolve_dtype
 from backfill.model.prepack import prepack_supported
 from backfill.model.static_decode import varlen_supported
 from backfill.worker.cuda_graph import CudaGraphRunner, DecodeInputs, decode_inputs
+from backfill.worker.host_allocator import keep_freed_memory
 from backfill.worker.input_batch import build_batch, padding_rows
 from backfill.worker.prompt_logprobs import PromptLogprobs
 from backfill.worker.sampler import Sampler
@@ -54,6 +55,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a step's [S, V] temporaries reuse the last step's pages
         self.model: LlamaForCausalLM | CpuDecoder = self._load_model()
         self.dtype = torch.float32 if isinstance(self.model, CpuDecoder) else resolve_dtype(config.dtype, self.device)
         self.model_config = self.model.config
