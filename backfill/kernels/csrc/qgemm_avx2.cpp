@@ -84,8 +84,8 @@ AI float vf_block_tree(VF a) {
 }
 
 // pack_x's 16-row fast path: AVX2 blocks are at most 6 rows (kFusedMaxM, kPanelMaxMR below), so
-// it is never reached here; all columns are left to pack_x's scalar copy.
-AI int64_t pack_x16(const float*, int64_t, int64_t, float*) { return 0; }
+// it is never reached here (pack_x8.h does theirs).
+AI int64_t pack_x16(const float*, int64_t, int64_t, float*, bool) { return 0; }
 
 AI VI vi_zero() { return VI{_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 // The int8-activation dot (q8_kernels.h): vpmaddubsw (unsigned codes <= 15 times int8 x, pairs
@@ -97,6 +97,14 @@ AI VI vq_dot(VI acc, VI a, int32_t word) {
 }
 
 #undef AI
+
+}  // namespace
+}  // namespace backfill
+
+#include "pack_x8.h"
+
+namespace backfill {
+namespace {
 
 // The int8-activation kernels' blocking: one row 2 tiles, more rows 1 tile x 4 rows (at 8 rows of
 // x on a Zen 4 forced to AVX2, Q4_1 [1024, 576]: 1.79x fp32 where 2 rows ran 1.54x).

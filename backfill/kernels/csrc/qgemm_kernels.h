@@ -7,7 +7,8 @@
 //   (a & the uint32 at m, every lane), vi_srl<s>, vi_sll<s>, vi_or_and (a | (b & mask)), vi_to_f,
 //   vf_nib_lo (float(v & 15)),
 //   vf_block_tree (the sum of the 16 lanes in block_sum's order, packed.h),
-//   pack_x16 (x's 16 rows column by column, as many columns as it does: see pack_x);
+//   pack_x16 (x's 16 rows column by column, scaled as pack_x scales them, as many columns as it
+//   does: see pack_x; pack_x8.h does up to 8 rows);
 //   and the blocking constants: kFusedMaxM, fused_nt(mr), kFusedGroupMR, fused_groups_max_m(type), kVfRegs, kPanelNT, kPanelMaxMR,
 //   kPanelMaxMRF (the block types' panels), kPanelKc.
 // Everything here has internal linkage: each ISA unit gets its own copy (see isa.h).
@@ -263,20 +264,20 @@ BF_AI void store_acc(const VF (&acc)[MR][NT], const Job& job, int64_t row0, int6
 
 // Rows [row0, row0 + mr) of x packed column by column, out [K][mr]: the kernels' broadcasts then
 // walk one pointer (the row pointers would not fit the general registers beside the rest).
-// 16 rows: the ISA unit's pack_x16 first (its register transposes), the columns it left here.
-// The nibble-word types' columns scaled against their codes (packed.h: nibble_x_scale).
+// 16 rows: the ISA unit's pack_x16 first, up to 8 pack_x8 (register transposes), the columns
+// they left here. The nibble-word types' columns scaled against their codes (packed.h:
+// nibble_x_scale), every path by the same products.
 template <class Dq>
 inline void pack_x(const TileJob& job, int64_t row0, int mr, float* out) {
-  const int64_t k0 = mr == 16 ? pack_x16(job.x + row0 * job.ldx, job.ldx, job.cols, out) : 0;
-  for (int i = 0; i < mr; ++i) {
-    const float* xi = job.x + (row0 + i) * job.ldx;
-    for (int64_t k = k0; k < job.cols; ++k) out[k * mr + i] = xi[k];
-  }
-  if constexpr (Dq::kNibbleWords) {
-    for (int64_t k = 0; k < job.cols; ++k) {
-      const float s = nibble_x_scale(k);
-      if (s != 1.0f)
-        for (int i = 0; i < mr; ++i) out[k * mr + i] *= s;
+  const float* x = job.x + row0 * job.ldx;
+  constexpr bool kNibble = Dq::kNibbleWords;
+  const int64_t k0 = mr == 16 ? pack_x16(x, job.ldx, job.cols, out, kNibble)
+                              : pack_x8(x, job.ldx, job.cols, mr, out, kNibble);
+  for (int64_t k = k0; k < job.cols; ++k) {
+    const float s = kNibble ? nibble_x_scale(k) : 1.0f;
+    for (int i = 0; i < mr; ++i) {
+      const float v = x[i * job.ldx + k];
+      out[k * mr + i] = s != 1.0f ? v * s : v;
     }
   }
 }
