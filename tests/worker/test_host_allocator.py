@@ -11,15 +11,15 @@ import pytest
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt (Linux)")
 
-# A sampled step's temporaries: three [32, 49152] fp32 tensors (6.3 MB each) allocated, written
-# and freed, 20 times; prints whether the policy is in force and the minor page faults of the
-# last 15 rounds (the first ones map the pages the later ones reuse).
+# A sampled step's temporaries: three [32, 49152] fp32 tensors (6.3 MB, 1,536 pages each)
+# allocated, written and freed, 30 times; prints whether the policy is in force and the minor page
+# faults of the last 25 rounds (the first ones map the pages the later ones reuse).
 STEPS = """
 import resource, sys, torch
 from backfill.worker.host_allocator import keep_freed_memory
 applied = keep_freed_memory()
 faults = 0
-for step in range(20):
+for step in range(30):
     if step == 5:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     logits = torch.empty(32, 49152).fill_(1.0)
@@ -50,9 +50,11 @@ def is_glibc() -> bool:
 def test_a_steps_large_temporaries_reuse_the_last_steps_pages() -> None:
     applied, faults = run_steps()
     assert applied
-    # 15 rounds of 19 MB: 24,000-69,000 faults without the policy (glibc's adaptive thresholds;
-    # seen on a Zen 4 EPYC), a few hundred at most (the interpreter's own) with it.
-    assert faults < 1_000, faults
+    # Without the policy (glibc's adaptive thresholds) the rounds fault in one to three of the
+    # tensors afresh each (15 rounds: 24,000-69,000 faults, seen on a Zen 4 EPYC); with it they
+    # reuse the pages: none in most runs, one tensor's 1,536 once in a full CI run (a one-off
+    # mapping, not a round's). Below four tensors' worth for 25 rounds.
+    assert faults < 4 * 1536, faults
 
 
 def test_the_users_own_malloc_settings_are_left_alone() -> None:
