@@ -64,14 +64,16 @@ AI float vf_block_tree(VF a) {
   return _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1)));
 }
 
-// out[k][16] = x[0 .. 15][k] for k < cols rounded down to 16 (x rows ldx floats apart; times
-// nibble_x_scale(k) where it is not 1 and `nibble`, as pack_x's scalar loop): 16 x 16 blocks
-// transposed in registers (unpacks within 128-bit lanes, then a 4 x 4 transpose of the lanes),
-// where a scalar copy stores every float on a line of its own. Returns the columns done.
+// Column k of pack_x16's output: v (x's 16 rows at column k), scaled as pack_x scales it.
 AI void put_column(float* out, int64_t k, __m512 v, bool nibble) {
   const float scale = nibble_x_scale(k);
   _mm512_storeu_ps(out + k * 16, nibble && scale != 1.0f ? _mm512_mul_ps(v, _mm512_set1_ps(scale)) : v);
 }
+
+// out[k][16] = x[0 .. 15][k] for k < cols rounded down to 16 (x rows ldx floats apart; times
+// nibble_x_scale(k) where it is not 1 and `nibble`, as pack_x's scalar loop): 16 x 16 blocks
+// transposed in registers (unpacks within 128-bit lanes, then a 4 x 4 transpose of the lanes),
+// where a scalar copy stores every float on a line of its own. Returns the columns done.
 AI int64_t pack_x16(const float* x, int64_t ldx, int64_t cols, float* out, bool nibble) {
   int64_t k0 = 0;
   for (; k0 + 16 <= cols; k0 += 16) {
