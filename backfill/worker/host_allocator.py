@@ -34,19 +34,26 @@ _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TO
 _applied = False
 
 
+def glibc() -> ctypes.CDLL | None:
+    """This process's C library where it is glibc (Linux), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "gnu_get_libc_version") else None  # (musl has no such symbol)
+
+
 def keep_freed_memory() -> bool:
     """Set the policy above once per process; whether it is in force."""
     global _applied
     if _applied:
         return True
-    if not sys.platform.startswith("linux") or any(name in os.environ for name in _USER_SETTINGS):
+    libc = glibc()
+    if libc is None or any(name in os.environ for name in _USER_SETTINGS):
         return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        gnu_get_libc_version = libc.gnu_get_libc_version  # glibc only (musl has no such symbol)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
+    gnu_get_libc_version, mallopt = libc.gnu_get_libc_version, libc.mallopt
     gnu_get_libc_version.restype = ctypes.c_char_p
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from backfill.worker.host_allocator import glibc
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt (Linux)")
 
 # A sampled step's temporaries: three [32, 49152] fp32 tensors (6.3 MB, 1,536 pages each)
@@ -37,16 +39,7 @@ def run_steps(**env: str) -> tuple[bool, int]:
     return applied == "True", int(faults)
 
 
-def is_glibc() -> bool:
-    import ctypes
-
-    try:
-        return hasattr(ctypes.CDLL("libc.so.6"), "gnu_get_libc_version")
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not is_glibc(), reason="glibc's malloc")
+@pytest.mark.skipif(glibc() is None, reason="glibc's malloc")
 def test_a_steps_large_temporaries_reuse_the_last_steps_pages() -> None:
     applied, faults = run_steps()
     assert applied
