@@ -180,11 +180,11 @@ def test_isas_are_bit_identical(name: str, restore_isa: None) -> None:
         assert all(torch.equal(a, b) for a, b in zip(ys, first)), isa
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K"])
-def test_nibble_types_agree_on_tiny_x(name: str, restore_isa: None) -> None:
-    """The 4-bit types read column k's code as q 2^4c and scale x[k] by 2^-4c (packed.h:
-    nibble_x_scale): exact for normal x, and where x[k] 2^-4c leaves fp32's normal range (|x| <
-    2^-102) every ISA and every path (fused, halves, panels) rounds it alike."""
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_scaled_code_types_agree_on_tiny_x(name: str, restore_isa: None) -> None:
+    """The 4-bit types and Q6_K read column k's code as q 2^4c and scale x[k] by 2^-4c (packed.h:
+    scaled_codes, nibble_x_scale): exact for normal x, and where x[k] 2^-4c leaves fp32's normal
+    range (|x| < 2^-102) every ISA and every path (fused, halves, panels) rounds it alike."""
     qtype, n, k, _, packed = packed_case(name, seed=3)
     x = torch.randn(33, k, generator=torch.Generator().manual_seed(4))
     x[0] *= 1e-32  # whole rows this small: x 2^-20 and x 2^-24 are subnormal, and their products

@@ -4,8 +4,9 @@
 // A matrix W [N, K] is cut into tiles of 16 output rows (N padded with all-zero rows to a
 // multiple of 16). A tile holds its 16 rows' blocks along K one after another; a "tile block"
 // (16 rows x one GGUF block) holds the same fields as the 16 raw blocks (same bytes, so the same
-// bits per weight as the file), transposed so that one field of the 16 rows is 16 adjacent
-// values: a 16-byte load followed by a byte -> int32 widening gives one SIMD value per row.
+// bits per weight as the file; Q6_K's codes a byte each, below), transposed so that one field of
+// the 16 rows is 16 adjacent values: a 16-byte load followed by a byte -> int32 widening gives one
+// SIMD value per row (codes: one load gives several columns, see the words below).
 //
 //   packed = [tile 0][tile 1]...            tile = [block 0][block 1]...[block K/bs - 1]
 //   tile block, by type (offsets in bytes; "[16] h" = 16 fp16 halves, one per row r;
@@ -16,16 +17,24 @@
 //   Q4_K 2304 B  d[16] h @0 | dmin[16] h @32 | scales: 12 groups @64, group j byte r = the raw
 //                scales[j] of row r (6-bit sc/m still packed as ggml packs them) |
 //                qs: 32 words @256 (nibble words)
-//   Q6_K 3360 B  d[16] h @0 | scales: 16 groups @32 (int8, one per 16 elements) |
-//                ql: 128 groups @288, byte r = lo4(q[r][2g]) | lo4(q[r][2g+1]) << 4 |
-//                qh: 64 groups @2336, byte r = sum_i hi2(q[r][4h + i]) << 2i   (q 6-bit, 0..63)
+//   Q6_K 4384 B  d[16] h @0 | scales: 16 groups @32 (int8, one per 16 elements) |
+//                codes: 32 word pairs @288 (six-bit words, below)
 //   F16     32 B per k: [16] h (tile = [K][16] fp16)    F32  64 B per k (tile = [K][16] fp32)
 // q[r][k] is the element's integer code (k within the block), exactly as ggml defines it.
 // Nibble words (the 4-bit types): a "word" w = 64 bytes, 16 little-endian uint32, the one of row r
 // holding its codes of columns 8w .. 8w + 7, column 8w + c in bits 4c .. 4c + 3. One plain load
 // gives 8 columns of the 16 rows; a kernel takes column c out with one and (see nibble_x_scale).
 //
-// Bits per weight: Q4_0 4.5, Q4_1 5, Q8_0 8.5, Q4_K 4.5, Q6_K 6.5625, F16 16, F32 32 (the file's).
+// Six-bit words (Q6_K): pair p = 128 bytes, word A (64 bytes: 16 uint32, row r's the r-th) then
+// word B; row r's A holds its codes of columns 8p, 8p + 2, 8p + 4, 8p + 6 in bits 0, 8, 16, 24 (6
+// bits each), its B those of 8p + 1, 8p + 3, 8p + 5 in bits 4, 12, 20 and of 8p + 7 in bits 26-31:
+// column 8p + c at bit 4c for c < 7, as a nibble word puts it, so one and takes it out in place
+// (and one shift column 7) and x is scaled as for the nibble words. The file packs a code in 6.5
+// bits (a low nibble and two high bits in other bytes): assembling one took 5-6 operations a
+// column, ~2x a Q4_K column's time at one row; a byte each costs 2 bits a weight more.
+//
+// Bits per weight: Q4_0 4.5, Q4_1 5, Q8_0 8.5, Q4_K 4.5, F16 16, F32 32 (the file's); Q6_K 8.5625
+// (the file's 6.5625 with each code widened to 8 bits).
 #pragma once
 
 #include "qtypes.h"
@@ -34,8 +43,12 @@ namespace backfill {
 
 constexpr int64_t kTileRows = 16;
 
-// Bytes of one tile block (16 rows x block_elems(type) columns): exactly 16 raw blocks.
-inline int64_t tile_block_bytes(QType t) { return kTileRows * block_bytes(t); }
+// Bytes of one tile block (16 rows x block_elems(type) columns): exactly 16 raw blocks, but for
+// Q6_K's wider codes (d, scales and a byte a code).
+constexpr int64_t kQ6_KTileBlockBytes = 32 + 256 + kTileRows * 256;
+inline int64_t tile_block_bytes(QType t) {
+  return t == QType::Q6_K ? kQ6_KTileBlockBytes : kTileRows * block_bytes(t);
+}
 // Bytes of one whole tile (16 rows x cols).
 inline int64_t tile_bytes(QType t, int64_t cols) { return cols / block_elems(t) * tile_block_bytes(t); }
 inline int64_t num_tiles(int64_t rows) { return (rows + kTileRows - 1) / kTileRows; }
@@ -46,7 +59,7 @@ constexpr int64_t kQ4_0Qs = 32;
 constexpr int64_t kQ4_1M = 32, kQ4_1Qs = 64;
 constexpr int64_t kQ8_0Qs = 32;
 constexpr int64_t kQ4_KDmin = 32, kQ4_KScales = 64, kQ4_KQs = 256;
-constexpr int64_t kQ6_KScales = 32, kQ6_KQl = 288, kQ6_KQh = 2336;
+constexpr int64_t kQ6_KScales = 32, kQ6_KQs = 288;
 }  // namespace tile_off
 
 // The nibble-word types (Q4_0, Q4_1, Q4_K) and how their kernels scale: column k's code is read
@@ -56,6 +69,9 @@ constexpr int64_t kQ6_KScales = 32, kQ6_KQl = 288, kQ6_KQh = 2336;
 // unless x[k] 2^-4c falls below fp32's normal range (|x[k]| < 2^-102), where it loses bits the
 // same way on every path.
 inline bool nibble_words(QType t) { return t == QType::Q4_0 || t == QType::Q4_1 || t == QType::Q4_K; }
+// The types whose column k's code is read as q 2^4c (c = k % 8 in 1 .. 6), x scaled to match: the
+// nibble words and Q6_K's six-bit words.
+inline bool scaled_codes(QType t) { return nibble_words(t) || t == QType::Q6_K; }
 inline float nibble_x_scale(int64_t k) {
   constexpr float kScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
   return kScale[k % 8];

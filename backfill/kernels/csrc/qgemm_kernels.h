@@ -16,7 +16,7 @@
 // Numbers (the invariant every path keeps, see TileJob): lanes run across 16 output rows. For
 // F32 / F16, y[i, n] is one FMA chain over k = 0 .. K-1 in order on the reference's weights. For
 // the block types, the chain runs over blocks: each block's codes times x in a chain of their
-// own (S; the 4-bit types' products scaled, see nibble_x_scale), folded in as y = fma(S, d, y),
+// own (S; the scaled-code types' products scaled, see nibble_x_scale), folded in as y = fma(S, d, y),
 // y = fma(X, m, y) with the block's scale and offset, d and m computed as dequantize_row_ref
 // computes them ("exact product, one rounding": the fp16 scale times a small integer fits
 // fp32's 24 bits). Blocking (how many rows / tiles per kernel call, panels or registers,
@@ -36,12 +36,12 @@ namespace {
 
 struct DqF32 {
   static constexpr bool kIsPanel = true;  // a tile is already a [K][16] fp32 panel: nothing to do
-  static constexpr bool kFactored = false, kHasMin = false, kNibbleWords = false;
+  static constexpr bool kFactored = false, kHasMin = false, kScaledCodes = false;
   static constexpr int64_t kQB = 0;
 };
 
 struct DqF16 {
-  static constexpr bool kIsPanel = false, kFactored = false, kHasMin = false, kNibbleWords = false;
+  static constexpr bool kIsPanel = false, kFactored = false, kHasMin = false, kScaledCodes = false;
   static constexpr int64_t kQB = 0;
   template <int NT, class Fn>
   BF_AI static void for_each(const uint8_t* const* tiles, int64_t k0, int64_t kn, Fn&& fn) {
@@ -98,7 +98,7 @@ BF_AI void nibble_codes(const uint8_t* const* qs, int64_t k0, Code&& code) {
 // Q4_0 (w = (q - 8) d: m = -8 d) and Q4_1 (w = q d + m): one tile block per 32 columns.
 template <bool kMin>
 struct DqQ4 {
-  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true, kNibbleWords = true;
+  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true, kScaledCodes = true;
   static constexpr int64_t kQB = QK;
   static constexpr int64_t kBlockBytes = kMin ? 320 : 288;
   static constexpr int64_t kQs = kMin ? tile_off::kQ4_1Qs : tile_off::kQ4_0Qs;
@@ -121,7 +121,7 @@ struct DqQ4 {
 
 // Q8_0: w = q d (int8 q), no offset.
 struct DqQ8_0 {
-  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = false, kNibbleWords = false;
+  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = false, kScaledCodes = false;
   static constexpr int64_t kQB = QK;
   template <int NT, class Code, class Fold>
   BF_AI static void for_each_code(const uint8_t* const* tiles, int64_t k0, int64_t kn, Code&& code, Fold&& fold) {
@@ -143,7 +143,7 @@ struct DqQ8_0 {
 // Q4_K: per 32-column sub-block j, d_j = d sc_j and m_j = -(dmin mn_j) (w = d_j q + m_j), the
 // 6-bit sc_j / mn_j unpacked from the 12 scale bytes as ggml's get_scale_min_k4 does.
 struct DqQ4_K {
-  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true, kNibbleWords = true;
+  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true, kScaledCodes = true;
   static constexpr int64_t kQB = 32;
   template <int NT, class Code, class Fold>
   BF_AI static void for_each_code(const uint8_t* const* tiles, int64_t k0, int64_t kn, Code&& code, Fold&& fold) {
@@ -175,41 +175,46 @@ struct DqQ4_K {
   }
 };
 
-// Q6_K: per 16-column sub-block, d_s = d sc and m_s = -32 d_s (w = d_s (q - 32)), q 6-bit from
-// a low nibble (ql) and two high bits (qh).
+// Column 8p + c of NT tiles' six-bit word pairs (a, b: packed.h), as nibble_columns reads a nibble
+// word: q 2^4c for c < 7, taken out in place by one and (masks from memory, as kNibbleMask), q
+// for c = 7 (shifted down).
+alignas(64) constexpr uint32_t kSixBitMask[7] = {0x3Fu, 0x3Fu << 4, 0x3Fu << 8, 0x3Fu << 12,
+                                                 0x3Fu << 16, 0x3Fu << 20, 0x3Fu << 24};
+template <int NT, class Code>
+BF_AI void six_bit_columns(const VI* a, const VI* b, int64_t k, Code&& code) {
+  VF q[NT];
+#pragma GCC unroll 7
+  for (int c = 0; c < 7; ++c) {
+    BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_to_f(vi_and_bcast(c % 2 == 0 ? a[t] : b[t], kSixBitMask + c));
+    code(k + c, q);
+  }
+  BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_to_f(vi_srl<26>(b[t]));
+  code(k + 7, q);
+}
+
+// Q6_K: per 16-column sub-block, d_s = d sc and m_s = -32 d_s (w = d_s (q - 32)), q the 6-bit
+// codes of the six-bit words: two plain loads per 8 columns, then two operations a column, where
+// the file's split codes (a low nibble and two high bits, bytes widened) took 5-6.
 struct DqQ6_K {
-  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true, kNibbleWords = false;
+  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true, kScaledCodes = true;
   static constexpr int64_t kQB = 16;
   template <int NT, class Code, class Fold>
   BF_AI static void for_each_code(const uint8_t* const* tiles, int64_t k0, int64_t kn, Code&& code, Fold&& fold) {
     for (int64_t s = k0 / 16; s < (k0 + kn) / 16; ++s) {
       const int64_t b = s / 16;
-      const int j = static_cast<int>(s % 16);  // scale index; columns 16 j .. 16 j + 15
-      const uint8_t *ql[NT], *qh[NT];
-      BF_UNROLL for (int t = 0; t < NT; ++t) {
-        const uint8_t* blk = tiles[t] + b * 3360;
-        ql[t] = blk + tile_off::kQ6_KQl + 16 * 8 * j;
-        qh[t] = blk + tile_off::kQ6_KQh + 16 * 4 * j;
-      }
-      for (int u = 0; u < 4; ++u) {  // columns 16 j + 4 u .. + 3
-        VF q0[NT], q1[NT], q2[NT], q3[NT];
+      const int j = static_cast<int>(s % 16);  // scale index; columns 16 j .. 16 j + 15: pairs 2 j, 2 j + 1
+      for (int h = 0; h < 2; ++h) {
+        VI wa[NT], wb[NT];
         BF_UNROLL for (int t = 0; t < NT; ++t) {
-          const VI l0 = vi_load_u8(ql[t] + 16 * (2 * u)), l1 = vi_load_u8(ql[t] + 16 * (2 * u + 1));
-          const VI h = vi_load_u8(qh[t] + 16 * u);
-          q0[t] = vi_to_f(vi_or_and(vi_and(l0, 0xF), vi_sll<4>(h), 0x30));
-          q1[t] = vi_to_f(vi_or_and(vi_srl<4>(l0), vi_sll<2>(h), 0x30));
-          q2[t] = vi_to_f(vi_or_and(vi_and(l1, 0xF), h, 0x30));
-          q3[t] = vi_to_f(vi_or_and(vi_srl<4>(l1), vi_srl<2>(h), 0x30));
+          const uint8_t* pair = tiles[t] + b * kQ6_KTileBlockBytes + tile_off::kQ6_KQs + 128 * (2 * j + h);
+          wa[t] = vi_load_u32(pair);
+          wb[t] = vi_load_u32(pair + 64);
         }
-        const int64_t k = s * 16 + 4 * u;
-        code(k, q0);
-        code(k + 1, q1);
-        code(k + 2, q2);
-        code(k + 3, q3);
+        six_bit_columns<NT>(wa, wb, s * 16 + 8 * h, code);
       }
       VF ds[NT], nds[NT];
       BF_UNROLL for (int t = 0; t < NT; ++t) {
-        const uint8_t* blk = tiles[t] + b * 3360;
+        const uint8_t* blk = tiles[t] + b * kQ6_KTileBlockBytes;
         ds[t] = vf_mul(vf_load_f16(blk), vi_to_f(vi_load_s8(blk + tile_off::kQ6_KScales + 16 * j)));
         nds[t] = vf_mul(ds[t], vf_set1(-32.0f));
       }
@@ -265,12 +270,12 @@ BF_AI void store_acc(const VF (&acc)[MR][NT], const Job& job, int64_t row0, int6
 // Rows [row0, row0 + mr) of x packed column by column, out [K][mr]: the kernels' broadcasts then
 // walk one pointer (the row pointers would not fit the general registers beside the rest).
 // 16 rows: the ISA unit's pack_x16 first, up to 8 pack_x8 (register transposes), the columns
-// they left here. The nibble-word types' columns scaled against their codes (packed.h:
-// nibble_x_scale), every path by the same products.
+// they left here. The scaled-code types' columns scaled against their codes (packed.h:
+// scaled_codes, nibble_x_scale), every path by the same products.
 template <class Dq>
 inline void pack_x(const TileJob& job, int64_t row0, int mr, float* out) {
   const float* x = job.x + row0 * job.ldx;
-  constexpr bool kNibble = Dq::kNibbleWords;
+  constexpr bool kNibble = Dq::kScaledCodes;
   const int64_t k0 = mr == 16 ? pack_x16(x, job.ldx, job.cols, out, kNibble)
                               : pack_x8(x, job.ldx, job.cols, mr, out, kNibble);
   for (int64_t k = k0; k < job.cols; ++k) {

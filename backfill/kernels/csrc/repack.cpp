@@ -3,8 +3,8 @@
 //
 // A block is split into its integer codes (one per element: 4, 6 or 8 bits) and its other fields
 // (fp16 scales, 6-bit scale bytes, fp32/fp16 values), each moved as-is: repack is a permutation
-// of the file's bits, so unpack_row(repack(raw)) == raw and every kernel dequantizes exactly
-// the file's numbers.
+// of the file's bits (Q6_K's codes given 8 bits each, the 2 added always 0), so
+// unpack_row(repack(raw)) == raw and every kernel dequantizes exactly the file's numbers.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -112,13 +112,9 @@ void raw_put_codes(QType t, const uint8_t* q, uint8_t* b) {
   }
 }
 
-// Where the codes of tile row r go in a tile block (packed.h): nibble words, nibble pairs (Q6_K's
-// low bits), bytes, 2-bit quads.
+// Where the codes of tile row r go in a tile block (packed.h): nibble words, bytes (Q8_0),
+// six-bit words (Q6_K).
 void tile_put_codes(QType t, const uint8_t* q, uint8_t* tb, int r) {
-  auto put_nibbles = [&](int64_t off, int n, uint8_t mask) {
-    for (int g = 0; g < n / 2; ++g)
-      tb[off + 16 * g + r] = static_cast<uint8_t>((q[2 * g] & mask) | (q[2 * g + 1] & mask) << 4);
-  };
   // nibble words: row r's uint32 of word w, byte j = columns 8w + 2j (low) and 8w + 2j + 1
   auto put_words = [&](int64_t off, int n) {
     for (int k = 0; k < n; k += 2)
@@ -132,25 +128,22 @@ void tile_put_codes(QType t, const uint8_t* q, uint8_t* tb, int r) {
       for (int k = 0; k < QK; ++k) tb[tile_off::kQ8_0Qs + 16 * k + r] = q[k];
       break;
     case QType::Q4_K: put_words(tile_off::kQ4_KQs, QK_K); break;
-    case QType::Q6_K:
-      put_nibbles(tile_off::kQ6_KQl, QK_K, 0xF);
-      for (int h = 0; h < QK_K / 4; ++h) {
-        uint8_t v = 0;
-        for (int i = 0; i < 4; ++i) v = static_cast<uint8_t>(v | ((q[4 * h + i] >> 4) & 3) << (2 * i));
-        tb[tile_off::kQ6_KQh + 16 * h + r] = v;
+    case QType::Q6_K:  // six-bit words: column 8p + c at bit 4c (c < 7), in A for c even, else B
+      for (int p = 0; p < QK_K / 8; ++p) {
+        uint32_t a = 0, b = 0;
+        for (int c = 0; c < 8; ++c) {
+          const uint32_t v = q[8 * p + c] & 0x3Fu;
+          if (c % 2 == 0) a |= v << (4 * c);
+          else b |= v << (c < 7 ? 4 * c : 26);
+        }
+        std::memcpy(tb + tile_off::kQ6_KQs + 128 * p + 4 * r, &a, 4);
+        std::memcpy(tb + tile_off::kQ6_KQs + 128 * p + 64 + 4 * r, &b, 4);
       }
       break;
   }
 }
 
 void tile_codes(QType t, const uint8_t* tb, int r, uint8_t* q) {
-  auto get_nibbles = [&](int64_t off, int n) {
-    for (int g = 0; g < n / 2; ++g) {
-      const uint8_t v = tb[off + 16 * g + r];
-      q[2 * g] = v & 0xF;
-      q[2 * g + 1] = v >> 4;
-    }
-  };
   auto get_words = [&](int64_t off, int n) {
     for (int k = 0; k < n; k += 2) {
       const uint8_t v = tb[off + 64 * (k / 8) + 4 * r + (k % 8) / 2];
@@ -167,10 +160,12 @@ void tile_codes(QType t, const uint8_t* tb, int r, uint8_t* q) {
       break;
     case QType::Q4_K: get_words(tile_off::kQ4_KQs, QK_K); break;
     case QType::Q6_K:
-      get_nibbles(tile_off::kQ6_KQl, QK_K);
-      for (int h = 0; h < QK_K / 4; ++h) {
-        const uint8_t v = tb[tile_off::kQ6_KQh + 16 * h + r];
-        for (int i = 0; i < 4; ++i) q[4 * h + i] = static_cast<uint8_t>(q[4 * h + i] | ((v >> (2 * i)) & 3) << 4);
+      for (int p = 0; p < QK_K / 8; ++p) {
+        uint32_t a = 0, b = 0;
+        std::memcpy(&a, tb + tile_off::kQ6_KQs + 128 * p + 4 * r, 4);
+        std::memcpy(&b, tb + tile_off::kQ6_KQs + 128 * p + 64 + 4 * r, 4);
+        for (int c = 0; c < 8; ++c)
+          q[8 * p + c] = static_cast<uint8_t>(((c % 2 == 0 ? a : b) >> (c < 7 ? 4 * c : 26)) & 0x3F);
       }
       break;
   }
@@ -227,7 +222,7 @@ void unpack_row(const PackedMatrix& w, int64_t row, uint8_t* raw_row) {
 // y = fma(S, d, y), y = fma(X, m, y) (fmaf is correctly rounded, as the SIMD FMAs are).
 void packed_gemm_scalar(const TileJob& job) {
   const int64_t K = job.cols, qb = factored_block_elems(job.type), nb = qb > 0 ? K / qb : 0;
-  const bool has_min = job.type != QType::Q8_0, words = nibble_words(job.type);
+  const bool has_min = job.type != QType::Q8_0, words = scaled_codes(job.type);
   const PackedMatrix w{job.w, job.type, job.rows, K};
   const QMatrix one_row{nullptr, job.type, 1, K, K / block_elems(job.type) * block_bytes(job.type)};
   std::vector<uint8_t> raw(static_cast<size_t>(one_row.row_bytes));  // [row_bytes] GGUF row
@@ -252,7 +247,7 @@ void packed_gemm_scalar(const TileJob& job) {
       } else {
         for (int64_t b = 0; b < nb; ++b) {
           float s = 0.0f;
-          for (int64_t k = b * qb; k < b * qb + qb; ++k) {  // 4-bit codes: the SIMD kernels' scaled product
+          for (int64_t k = b * qb; k < b * qb + qb; ++k) {  // scaled codes: the SIMD kernels' product
             const float sx = words ? nibble_x_scale(k) : 1.0f, sq = words ? nibble_code_scale(k) : 1.0f;
             s = std::fma(xi[k] * sx, wrow[static_cast<size_t>(k)] * sq, s);
           }
