@@ -14,9 +14,9 @@
 //   Q4_0  288 B  d[16] h @0 | qs: 4 words @32 (nibble words, below)
 //   Q4_1  320 B  d[16] h @0 | m[16] h @32 | qs: 4 words @64 (nibble words)
 //   Q8_0  544 B  d[16] h @0 | qs: 32 groups @32, group k byte r = q[r][k] (int8)
-//   Q4_K 2304 B  d[16] h @0 | dmin[16] h @32 | scales: 12 groups @64, group j byte r = the raw
-//                scales[j] of row r (6-bit sc/m still packed as ggml packs them) |
-//                qs: 32 words @256 (nibble words)
+//   Q4_K 2368 B  d[16] h @0 | dmin[16] h @32 | scales: 16 groups @64, group j byte r = row r's
+//                6-bit sc_j (j < 8) or m_{j-8} (ggml's get_scale_min_k4, out of its 12 bytes) |
+//                qs: 32 words @320 (nibble words)
 //   Q6_K 4384 B  d[16] h @0 | scales: 16 groups @32 (int8, one per 16 elements) |
 //                codes: 32 word pairs @288 (six-bit words, below)
 //   F16     32 B per k: [16] h (tile = [K][16] fp16)    F32  64 B per k (tile = [K][16] fp32)
@@ -33,8 +33,10 @@
 // bits (a low nibble and two high bits in other bytes): assembling one took 5-6 operations a
 // column, ~2x a Q4_K column's time at one row; a byte each costs 2 bits a weight more.
 //
-// Bits per weight: Q4_0 4.5, Q4_1 5, Q8_0 8.5, Q4_K 4.5, F16 16, F32 32 (the file's); Q6_K 8.5625
-// (the file's 6.5625 with each code widened to 8 bits).
+// Bits per weight: Q4_0 4.5, Q4_1 5, Q8_0 8.5, F16 16, F32 32 (the file's); Q4_K 4.625 (the file's
+// 4.5 with its 6-bit scales a byte each: taking them out of the file's 12 bytes per sub-block and
+// tile cost a Q4_K matrix 4-6% at 1-8 rows on AVX-512, 3-15% on AVX2); Q6_K 8.5625 (the file's
+// 6.5625 with each code widened to 8 bits).
 #pragma once
 
 #include "qtypes.h"
@@ -44,10 +46,11 @@ namespace backfill {
 constexpr int64_t kTileRows = 16;
 
 // Bytes of one tile block (16 rows x block_elems(type) columns): exactly 16 raw blocks, but for
-// Q6_K's wider codes (d, scales and a byte a code).
+// Q4_K's unpacked scales and Q6_K's wider codes (the table above).
+constexpr int64_t kQ4_KTileBlockBytes = 64 + 16 * kTileRows + 32 * 64;
 constexpr int64_t kQ6_KTileBlockBytes = 32 + 256 + kTileRows * 256;
 inline int64_t tile_block_bytes(QType t) {
-  return t == QType::Q6_K ? kQ6_KTileBlockBytes : kTileRows * block_bytes(t);
+  return t == QType::Q4_K ? kQ4_KTileBlockBytes : t == QType::Q6_K ? kQ6_KTileBlockBytes : kTileRows * block_bytes(t);
 }
 // Bytes of one whole tile (16 rows x cols).
 inline int64_t tile_bytes(QType t, int64_t cols) { return cols / block_elems(t) * tile_block_bytes(t); }
@@ -58,7 +61,7 @@ namespace tile_off {
 constexpr int64_t kQ4_0Qs = 32;
 constexpr int64_t kQ4_1M = 32, kQ4_1Qs = 64;
 constexpr int64_t kQ8_0Qs = 32;
-constexpr int64_t kQ4_KDmin = 32, kQ4_KScales = 64, kQ4_KQs = 256;
+constexpr int64_t kQ4_KDmin = 32, kQ4_KScales = 64, kQ4_KQs = 320;
 constexpr int64_t kQ6_KScales = 32, kQ6_KQs = 288;
 }  // namespace tile_off
 

@@ -20,7 +20,7 @@ namespace {
 template <QType T>
 BF_AI const uint8_t* q8_weight_block(const uint8_t* tile, int64_t b, VF* d, VF* m) {
   if constexpr (T == QType::Q4_K) {  // b: a 32-column sub-block of a 256-column super-block
-    const uint8_t* blk = tile + b / 8 * 2304;
+    const uint8_t* blk = tile + b / 8 * kQ4_KTileBlockBytes;
     DqQ4_K::scales(blk, static_cast<int>(b % 8), d, m);
     return blk + tile_off::kQ4_KQs + 4 * 64 * (b % 8);
   } else {

@@ -66,12 +66,6 @@ AI VI vi_and(VI a, int m) {
 }
 template <int S>
 AI VI vi_srl(VI a) { return VI{_mm256_srli_epi32(a.lo, S), _mm256_srli_epi32(a.hi, S)}; }
-template <int S>
-AI VI vi_sll(VI a) { return VI{_mm256_slli_epi32(a.lo, S), _mm256_slli_epi32(a.hi, S)}; }
-AI VI vi_or_and(VI a, VI b, int m) {
-  const VI bm = vi_and(b, m);
-  return VI{_mm256_or_si256(a.lo, bm.lo), _mm256_or_si256(a.hi, bm.hi)};
-}
 AI VF vi_to_f(VI a) { return VF{_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 AI VF vf_nib_lo(VI a) { return vi_to_f(vi_and(a, 0xF)); }
 

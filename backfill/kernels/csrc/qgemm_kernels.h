@@ -4,7 +4,7 @@
 //   VF (16 floats), VI (16 int32): vf_zero, vf_set1, vf_load, vf_store, vf_load_n, vf_store_n,
 //   vf_bcast, vf_fma (a * b + c, one rounding), vf_mul, vf_add, vf_load_f16 (16 halves),
 //   vi_load_u8 / vi_load_s8 (16 bytes widened), vi_load_u32 (16 uint32), vi_and, vi_and_bcast
-//   (a & the uint32 at m, every lane), vi_srl<s>, vi_sll<s>, vi_or_and (a | (b & mask)), vi_to_f,
+//   (a & the uint32 at m, every lane), vi_srl<s>, vi_to_f,
 //   vf_nib_lo (float(v & 15)),
 //   vf_block_tree (the sum of the 16 lanes in block_sum's order, packed.h),
 //   pack_x16 (x's 16 rows column by column, scaled as pack_x scales them, as many columns as it
@@ -141,7 +141,7 @@ struct DqQ8_0 {
 };
 
 // Q4_K: per 32-column sub-block j, d_j = d sc_j and m_j = -(dmin mn_j) (w = d_j q + m_j), the
-// 6-bit sc_j / mn_j unpacked from the 12 scale bytes as ggml's get_scale_min_k4 does.
+// 6-bit sc_j / mn_j as ggml's get_scale_min_k4 takes them out of its 12 scale bytes (done at load: packed.h).
 struct DqQ4_K {
   static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true, kScaledCodes = true;
   static constexpr int64_t kQB = 32;
@@ -151,25 +151,18 @@ struct DqQ4_K {
       const int64_t b = s / 8;
       const int j = static_cast<int>(s % 8);
       const uint8_t* qs[NT];
-      BF_UNROLL for (int t = 0; t < NT; ++t) qs[t] = tiles[t] + b * 2304 + tile_off::kQ4_KQs + 4 * 64 * j;
+      BF_UNROLL for (int t = 0; t < NT; ++t) qs[t] = tiles[t] + b * kQ4_KTileBlockBytes + tile_off::kQ4_KQs + 4 * 64 * j;
       nibble_codes<NT>(qs, s * 32, code);
       VF d1[NT], m1[NT];
-      BF_UNROLL for (int t = 0; t < NT; ++t) scales(tiles[t] + b * 2304, j, &d1[t], &m1[t]);
+      BF_UNROLL for (int t = 0; t < NT; ++t) scales(tiles[t] + b * kQ4_KTileBlockBytes, j, &d1[t], &m1[t]);
       fold(s, d1, m1);
     }
   }
-  // Sub-block j's d_j and m_j of the 16 rows of the tile block at blk.
+  // Sub-block j's d_j and m_j of the 16 rows of the tile block at blk (its scales unpacked:
+  // packed.h).
   BF_AI static void scales(const uint8_t* blk, int j, VF* d, VF* m) {
-    const uint8_t* sc = blk + tile_off::kQ4_KScales;  // [12][16] bytes
-    VI scj, mj;
-    if (j < 4) {
-      scj = vi_and(vi_load_u8(sc + 16 * j), 63);
-      mj = vi_and(vi_load_u8(sc + 16 * (j + 4)), 63);
-    } else {
-      const VI hi = vi_load_u8(sc + 16 * (j + 4));
-      scj = vi_or_and(vi_sll<4>(vi_srl<6>(vi_load_u8(sc + 16 * (j - 4)))), hi, 0xF);
-      mj = vi_or_and(vi_srl<4>(hi), vi_sll<4>(vi_srl<6>(vi_load_u8(sc + 16 * j))), 0x30);
-    }
+    const uint8_t* sc = blk + tile_off::kQ4_KScales;  // [16][16] bytes: sc_0..7, m_0..7
+    const VI scj = vi_load_u8(sc + 16 * j), mj = vi_load_u8(sc + 16 * (8 + j));
     *d = vf_mul(vf_load_f16(blk), vi_to_f(scj));
     *m = vf_mul(vf_load_f16(blk + tile_off::kQ4_KDmin), vf_mul(vi_to_f(mj), vf_set1(-1.0f)));
   }

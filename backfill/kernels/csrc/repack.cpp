@@ -3,8 +3,9 @@
 //
 // A block is split into its integer codes (one per element: 4, 6 or 8 bits) and its other fields
 // (fp16 scales, 6-bit scale bytes, fp32/fp16 values), each moved as-is: repack is a permutation
-// of the file's bits (Q6_K's codes given 8 bits each, the 2 added always 0), so
-// unpack_row(repack(raw)) == raw and every kernel dequantizes exactly the file's numbers.
+// of the file's bits (Q4_K's 6-bit scales and Q6_K's codes given 8 bits each, the bits added
+// always 0), so unpack_row(repack(raw)) == raw and every kernel dequantizes exactly the file's
+// numbers.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -34,15 +35,36 @@ void fields_of(QType t, Field* f) {
     case QType::Q4_0: f[0] = {0, 1, 2, 0}; break;
     case QType::Q4_1: f[0] = {0, 1, 2, 0}; f[1] = {2, 1, 2, tile_off::kQ4_1M}; break;
     case QType::Q8_0: f[0] = {0, 1, 2, 0}; break;
-    case QType::Q4_K:
+    case QType::Q4_K:  // (its 12 scale bytes: q4_k_scales_to_tile)
       f[0] = {0, 1, 2, 0};
       f[1] = {2, 1, 2, tile_off::kQ4_KDmin};
-      f[2] = {4, 12, 1, tile_off::kQ4_KScales};
       break;
     case QType::Q6_K:
       f[0] = {208, 1, 2, 0};
       f[1] = {192, 16, 1, tile_off::kQ6_KScales};
       break;
+  }
+}
+
+// A Q4_K block's 12 scale bytes (raw, at block offset 4) <-> tile row r's 16 unpacked scales
+// (packed.h): sc_j and m_j as ggml's get_scale_min_k4 takes them out, and back (all 96 bits
+// carry a value, so the round trip is exact).
+void q4_k_scales_to_tile(const uint8_t* q, uint8_t* tb, int r) {
+  uint8_t* out = tb + tile_off::kQ4_KScales + r;
+  for (int j = 0; j < 4; ++j) {
+    out[16 * j] = q[j] & 63;
+    out[16 * (8 + j)] = q[j + 4] & 63;
+    out[16 * (4 + j)] = static_cast<uint8_t>((q[j + 8] & 0xF) | (q[j] >> 6) << 4);
+    out[16 * (12 + j)] = static_cast<uint8_t>((q[j + 8] >> 4) | (q[j + 4] >> 6) << 4);
+  }
+}
+void q4_k_scales_from_tile(const uint8_t* tb, int r, uint8_t* q) {
+  const uint8_t* in = tb + tile_off::kQ4_KScales + r;
+  for (int j = 0; j < 4; ++j) {
+    const uint8_t sc_lo = in[16 * j], m_lo = in[16 * (8 + j)], sc_hi = in[16 * (4 + j)], m_hi = in[16 * (12 + j)];
+    q[j] = static_cast<uint8_t>(sc_lo | (sc_hi >> 4) << 6);
+    q[j + 4] = static_cast<uint8_t>(m_lo | (m_hi >> 4) << 6);
+    q[j + 8] = static_cast<uint8_t>((sc_hi & 0xF) | (m_hi & 0xF) << 4);
   }
 }
 
@@ -190,6 +212,7 @@ void repack_tiles(const QMatrix& raw, uint8_t* out, int64_t tile_begin, int64_t 
         for (const Field* f = fields; f->count > 0; ++f)
           for (int j = 0; j < f->count; ++j)
             std::memcpy(tb + f->packed_off + (16 * j + r) * f->size, rb + f->raw_off + j * f->size, f->size);
+        if (t == QType::Q4_K) q4_k_scales_to_tile(rb + 4, tb, r);
         raw_codes(t, rb, codes);
         tile_put_codes(t, codes, tb, r);
       }
@@ -211,6 +234,7 @@ void unpack_row(const PackedMatrix& w, int64_t row, uint8_t* raw_row) {
     for (const Field* f = fields; f->count > 0; ++f)
       for (int j = 0; j < f->count; ++j)
         std::memcpy(rb + f->raw_off + j * f->size, tb + f->packed_off + (16 * j + r) * f->size, f->size);
+    if (t == QType::Q4_K) q4_k_scales_from_tile(tb, r, rb + 4);
     tile_codes(t, tb, r, codes);
     raw_put_codes(t, codes, rb);
   }

@@ -44,10 +44,6 @@ AI VI vi_and_bcast(VI a, const uint32_t* m) { return VI{_mm512_and_si512(a.v, _m
 AI VI vi_and(VI a, int m) { return VI{_mm512_and_si512(a.v, _mm512_set1_epi32(m))}; }
 template <int S>
 AI VI vi_srl(VI a) { return VI{_mm512_srli_epi32(a.v, S)}; }
-template <int S>
-AI VI vi_sll(VI a) { return VI{_mm512_slli_epi32(a.v, S)}; }
-// a | (b & m) in one vpternlogd (truth table 0xF8 over a, b, m).
-AI VI vi_or_and(VI a, VI b, int m) { return VI{_mm512_ternarylogic_epi32(a.v, b.v, _mm512_set1_epi32(m), 0xF8)}; }
 AI VF vi_to_f(VI a) { return VF{_mm512_cvtepi32_ps(a.v)}; }
 // float(v & 15) as a table lookup: vpermps reads only the low 4 bits of each index, so this is
 // one shuffle instead of an and plus a conversion (the same exact values).
