@@ -268,11 +268,11 @@ BF_AI void store_acc(const VF (&acc)[MR][NT], const Job& job, int64_t row0, int6
 template <class Dq>
 inline void pack_x(const TileJob& job, int64_t row0, int mr, float* out) {
   const float* x = job.x + row0 * job.ldx;
-  constexpr bool kNibble = Dq::kScaledCodes;
-  const int64_t k0 = mr == 16 ? pack_x16(x, job.ldx, job.cols, out, kNibble)
-                              : pack_x8(x, job.ldx, job.cols, mr, out, kNibble);
+  constexpr bool kScaled = Dq::kScaledCodes;
+  const int64_t k0 = mr == 16 ? pack_x16(x, job.ldx, job.cols, out, kScaled)
+                              : pack_x8(x, job.ldx, job.cols, mr, out, kScaled);
   for (int64_t k = k0; k < job.cols; ++k) {
-    const float s = kNibble ? nibble_x_scale(k) : 1.0f;
+    const float s = kScaled ? nibble_x_scale(k) : 1.0f;
     for (int i = 0; i < mr; ++i) {
       const float v = x[i * job.ldx + k];
       out[k * mr + i] = s != 1.0f ? v * s : v;

@@ -61,16 +61,16 @@ AI float vf_block_tree(VF a) {
 }
 
 // Column k of pack_x16's output: v (x's 16 rows at column k), scaled as pack_x scales it.
-AI void put_column(float* out, int64_t k, __m512 v, bool nibble) {
+AI void put_column(float* out, int64_t k, __m512 v, bool scaled) {
   const float scale = nibble_x_scale(k);
-  _mm512_storeu_ps(out + k * 16, nibble && scale != 1.0f ? _mm512_mul_ps(v, _mm512_set1_ps(scale)) : v);
+  _mm512_storeu_ps(out + k * 16, scaled && scale != 1.0f ? _mm512_mul_ps(v, _mm512_set1_ps(scale)) : v);
 }
 
 // out[k][16] = x[0 .. 15][k] for k < cols rounded down to 16 (x rows ldx floats apart; times
-// nibble_x_scale(k) where it is not 1 and `nibble`, as pack_x's scalar loop): 16 x 16 blocks
+// nibble_x_scale(k) where it is not 1 and `scaled`, as pack_x's scalar loop): 16 x 16 blocks
 // transposed in registers (unpacks within 128-bit lanes, then a 4 x 4 transpose of the lanes),
 // where a scalar copy stores every float on a line of its own. Returns the columns done.
-AI int64_t pack_x16(const float* x, int64_t ldx, int64_t cols, float* out, bool nibble) {
+AI int64_t pack_x16(const float* x, int64_t ldx, int64_t cols, float* out, bool scaled) {
   int64_t k0 = 0;
   for (; k0 + 16 <= cols; k0 += 16) {
     __m512 r[16], t[16];
@@ -91,10 +91,10 @@ AI int64_t pack_x16(const float* x, int64_t ldx, int64_t cols, float* out, bool 
       const __m512 v0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
       const __m512 v2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
       const __m512 v3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
-      put_column(out, k0 + c, _mm512_shuffle_f32x4(v0, v2, 0x88), nibble);
-      put_column(out, k0 + 4 + c, _mm512_shuffle_f32x4(v0, v2, 0xDD), nibble);
-      put_column(out, k0 + 8 + c, _mm512_shuffle_f32x4(v1, v3, 0x88), nibble);
-      put_column(out, k0 + 12 + c, _mm512_shuffle_f32x4(v1, v3, 0xDD), nibble);
+      put_column(out, k0 + c, _mm512_shuffle_f32x4(v0, v2, 0x88), scaled);
+      put_column(out, k0 + 4 + c, _mm512_shuffle_f32x4(v0, v2, 0xDD), scaled);
+      put_column(out, k0 + 8 + c, _mm512_shuffle_f32x4(v1, v3, 0x88), scaled);
+      put_column(out, k0 + 12 + c, _mm512_shuffle_f32x4(v1, v3, 0xDD), scaled);
     }
   }
   return k0;
