@@ -72,6 +72,10 @@ constexpr int64_t kQ6_KScales = 32, kQ6_KQs = 288;
 // unless x[k] 2^-4c falls below fp32's normal range (|x[k]| < 2^-102), where it loses bits the
 // same way on every path.
 inline bool nibble_words(QType t) { return t == QType::Q4_0 || t == QType::Q4_1 || t == QType::Q4_K; }
+// Column 8p + c's field in its six-bit word pair (the layout above; repack and the kernels both
+// read it here): word B (1) for c odd, A (0) for c even; its lowest bit.
+constexpr int six_bit_word(int c) { return c % 2; }
+constexpr int six_bit_shift(int c) { return c < 7 ? 4 * c : 26; }
 // The types whose column k's code is read as q 2^4c (c = k % 8 in 1 .. 6), x scaled to match: the
 // nibble words and Q6_K's six-bit words.
 inline bool scaled_codes(QType t) { return nibble_words(t) || t == QType::Q6_K; }

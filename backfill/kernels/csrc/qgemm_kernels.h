@@ -171,17 +171,21 @@ struct DqQ4_K {
 // Column 8p + c of NT tiles' six-bit word pairs (a, b: packed.h), as nibble_columns reads a nibble
 // word: q 2^4c for c < 7, taken out in place by one and (masks from memory, as kNibbleMask), q
 // for c = 7 (shifted down).
-alignas(64) constexpr uint32_t kSixBitMask[7] = {0x3Fu, 0x3Fu << 4, 0x3Fu << 8, 0x3Fu << 12,
-                                                 0x3Fu << 16, 0x3Fu << 20, 0x3Fu << 24};
+alignas(64) constexpr uint32_t kSixBitMask[7] = {
+    0x3Fu << six_bit_shift(0), 0x3Fu << six_bit_shift(1), 0x3Fu << six_bit_shift(2), 0x3Fu << six_bit_shift(3),
+    0x3Fu << six_bit_shift(4), 0x3Fu << six_bit_shift(5), 0x3Fu << six_bit_shift(6)};
+static_assert(six_bit_shift(7) + 6 == 32, "column 7's field is the word's top: one shift takes it out");
 template <int NT, class Code>
 BF_AI void six_bit_columns(const VI* a, const VI* b, int64_t k, Code&& code) {
   VF q[NT];
 #pragma GCC unroll 7
   for (int c = 0; c < 7; ++c) {
-    BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_to_f(vi_and_bcast(c % 2 == 0 ? a[t] : b[t], kSixBitMask + c));
+    BF_UNROLL for (int t = 0; t < NT; ++t) {
+      q[t] = vi_to_f(vi_and_bcast(six_bit_word(c) == 0 ? a[t] : b[t], kSixBitMask + c));
+    }
     code(k + c, q);
   }
-  BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_to_f(vi_srl<26>(b[t]));
+  BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_to_f(vi_srl<six_bit_shift(7)>(b[t]));
   code(k + 7, q);
 }
 

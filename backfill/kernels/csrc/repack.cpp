@@ -150,16 +150,11 @@ void tile_put_codes(QType t, const uint8_t* q, uint8_t* tb, int r) {
       for (int k = 0; k < QK; ++k) tb[tile_off::kQ8_0Qs + 16 * k + r] = q[k];
       break;
     case QType::Q4_K: put_words(tile_off::kQ4_KQs, QK_K); break;
-    case QType::Q6_K:  // six-bit words: column 8p + c at bit 4c (c < 7), in A for c even, else B
+    case QType::Q6_K:  // six-bit word pairs: words A, B of row r, 64 bytes apart
       for (int p = 0; p < QK_K / 8; ++p) {
-        uint32_t a = 0, b = 0;
-        for (int c = 0; c < 8; ++c) {
-          const uint32_t v = q[8 * p + c] & 0x3Fu;
-          if (c % 2 == 0) a |= v << (4 * c);
-          else b |= v << (c < 7 ? 4 * c : 26);
-        }
-        std::memcpy(tb + tile_off::kQ6_KQs + 128 * p + 4 * r, &a, 4);
-        std::memcpy(tb + tile_off::kQ6_KQs + 128 * p + 64 + 4 * r, &b, 4);
+        uint32_t words[2] = {0, 0};
+        for (int c = 0; c < 8; ++c) words[six_bit_word(c)] |= (q[8 * p + c] & 0x3Fu) << six_bit_shift(c);
+        for (int w = 0; w < 2; ++w) std::memcpy(tb + tile_off::kQ6_KQs + 128 * p + 64 * w + 4 * r, &words[w], 4);
       }
       break;
   }
@@ -183,11 +178,9 @@ void tile_codes(QType t, const uint8_t* tb, int r, uint8_t* q) {
     case QType::Q4_K: get_words(tile_off::kQ4_KQs, QK_K); break;
     case QType::Q6_K:
       for (int p = 0; p < QK_K / 8; ++p) {
-        uint32_t a = 0, b = 0;
-        std::memcpy(&a, tb + tile_off::kQ6_KQs + 128 * p + 4 * r, 4);
-        std::memcpy(&b, tb + tile_off::kQ6_KQs + 128 * p + 64 + 4 * r, 4);
-        for (int c = 0; c < 8; ++c)
-          q[8 * p + c] = static_cast<uint8_t>(((c % 2 == 0 ? a : b) >> (c < 7 ? 4 * c : 26)) & 0x3F);
+        uint32_t words[2];
+        for (int w = 0; w < 2; ++w) std::memcpy(&words[w], tb + tile_off::kQ6_KQs + 128 * p + 64 * w + 4 * r, 4);
+        for (int c = 0; c < 8; ++c) q[8 * p + c] = static_cast<uint8_t>((words[six_bit_word(c)] >> six_bit_shift(c)) & 0x3F);
       }
       break;
   }
