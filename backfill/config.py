@@ -19,6 +19,7 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # "int8" / "fp16" store the matrices weight-only in Q8_0 blocks / fp16.
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "fp16")
 ACTIVATION_QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16")
 # Per device: units of prompt work a step may add while other requests decode (see
 # EngineConfig.prefill_budget). On a CPU a step's cost grows linearly with its tokens: a decode
 # step of 8 streams costs ~9 token-units there, so 16 more keep a chunked step within ~3x of a
@@ -72,6 +73,10 @@ class EngineConfig:
     # activations do, for integer dot products (CPU kernels only; `backfill bench divergence`
     # measures what it changes).
     activation_quantization: str = "none"
+    # The KV cache's element type: "auto" is the activations' (`dtype`); opt-in, not exact on the
+    # CPU kernels (fp32 activations): "bfloat16" stores K and V rounded to bf16, half the bytes
+    # (twice the tokens in the same memory, half of a long context's attention reads).
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0  # seeds the unseeded sampling stream, so a whole run is reproducible
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
@@ -138,6 +143,9 @@ class EngineConfig:
         add("--activation-quantization", choices=ACTIVATION_QUANTIZATIONS,
             help="none (fp32 activations: exact); int8: the 4-bit linears' inputs quantized per 32 values "
                  "(faster on CPU, not exact: see `backfill bench divergence`)")
+        add("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+            help="KV cache elements; auto: the activations' dtype (exact); bfloat16: K and V rounded to "
+                 "bf16 on the CPU kernels (half the KV memory and attention reads, not exact)")
         add("--device", help="cpu or cuda[:N]")
         add("--seed", type=int, help="seeds the sampling of requests without a seed of their own")
         add("--num-threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -204,6 +212,8 @@ class EngineConfig:
         if self.activation_quantization not in ACTIVATION_QUANTIZATIONS:
             raise ValueError(f"activation_quantization must be one of {ACTIVATION_QUANTIZATIONS}, "
                              f"got {self.activation_quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if not isinstance(self.priority_aging_steps, int) or self.priority_aging_steps < 1:

@@ -175,14 +175,17 @@ def add_bench_subparser(subparsers: Any) -> None:
     _add_engine_arguments(roofline, exclude=("policy", "static_padding", "max_num_seqs", "prefill_budget"))
 
     divergence = commands.add_parser(
-        "divergence", help="what --activation-quantization int8 changes: greedy agreement and logit error vs fp32")
+        "divergence", help="what --activation-quantization int8 or --kv-cache-dtype bfloat16 changes: greedy "
+                           "agreement and logit error vs the exact fp32 path")
+    divergence.add_argument("--variant", choices=("int8-activations", "bf16-kv-cache"), default="int8-activations",
+                            help="the opt-in path measured against the exact one")
     divergence.add_argument("--num-prompts", type=int, default=32)
     divergence.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
     divergence.add_argument("--prompt-words", type=int, nargs=2, default=[8, 160], metavar=("MIN", "MAX"),
                             help="words per prompt, drawn uniformly")
     divergence.add_argument("--result-file", default=None)
-    _add_engine_arguments(divergence, exclude=("policy", "static_padding", "activation_quantization", "device",
-                                               "dtype"))
+    _add_engine_arguments(divergence, exclude=("policy", "static_padding", "activation_quantization", "kv_cache_dtype",
+                                               "device", "dtype"))
 
 
 def _add_common_report_arguments(parser: argparse.ArgumentParser) -> None:
@@ -408,6 +411,8 @@ def _cmd_roofline(args: argparse.Namespace) -> int:
         warm_up(engine)
     print(f"model {shape.name}: {shape.num_params / 1e6:.1f} M parameters, computed in {dtype}, "
           f"{shape.weight_bytes(dtype) / 1e6:.1f} MB of weights read per step")
+    if shape.kv_dtype not in (None, dtype):
+        print(f"KV cache in {shape.kv_dtype}: {shape.kv_bytes_per_token(dtype)} bytes a token of context")
     if args.activation_quantization != "none":
         print(f"activations quantized ({args.activation_quantization}) for the 4-bit linears: integer dot products, "
               "so the compute bound below (fp32 FMAs) does not bound these steps")
@@ -485,7 +490,7 @@ def _cmd_divergence(args: argparse.Namespace) -> int:
     if not 1 <= args.prompt_words[0] <= args.prompt_words[1]:
         raise ValueError(f"--prompt-words: need 1 <= MIN <= MAX, got {args.prompt_words}")
     result = measure_divergence(EngineConfig.from_cli_args(args), args.num_prompts, args.max_tokens, args.seed,
-                                tuple(args.prompt_words))
+                                tuple(args.prompt_words), args.variant)
     print(format_divergence(result))
     _write_json(_result_path(args, "divergence"), {"host": describe_host(), **asdict(result)})
     return 0

@@ -1,13 +1,15 @@
-"""What the opt-in int8 activations (`--activation-quantization int8`, csrc/q8.h) change against
-the exact fp32 path (the default, parity-tested against transformers' fp32 model):
+"""What an opt-in, inexact variant of the CPU kernels changes against the exact fp32 path (the
+default, parity-tested against transformers' fp32 model): int8 activations
+(`--activation-quantization int8`, csrc/q8.h) or a bf16 KV cache (`--kv-cache-dtype bfloat16`):
 
-    backfill bench divergence [--num-prompts 32] [--max-tokens 64] [--seed 0] [--model M]
+    backfill bench divergence [--variant int8-activations|bf16-kv-cache] [--num-prompts 32]
+                              [--max-tokens 64] [--seed 0] [--model M]
 
 - Greedy agreement: every prompt generated greedily by two engines, one per mode; the share of
   prompts whose outputs are token for token the same, and the mean share of the fp32 output
-  that the int8 output repeats before it first differs.
+  that the variant's output repeats before it first differs.
 - Logit error: each prompt followed by the fp32 output, run through one CpuDecoder in one step
-  (teacher-forced) with int8 activations off and on: the largest |logit difference| over every
+  (teacher-forced) exactly and as the variant: the largest |logit difference| over every
   position of every prompt (beside the largest |logit|, for scale), the mean, and the share of
   positions whose argmax (the greedy choice) is the same.
 
@@ -27,8 +29,19 @@ from backfill.config import EngineConfig
 from backfill.sampling_params import SamplingParams
 
 
+# Each variant as the engine fields it sets (the exact path: activation_quantization "none",
+# kv_cache_dtype "auto"), and its name in the report.
+VARIANTS: dict[str, dict[str, str]] = {
+    "int8-activations": {"activation_quantization": "int8"},
+    "bf16-kv-cache": {"kv_cache_dtype": "bfloat16"},
+}
+_TITLES = {"int8-activations": "int8 activations", "bf16-kv-cache": "a bf16 KV cache"}
+_EXACT = {"activation_quantization": "none", "kv_cache_dtype": "auto"}
+
+
 @dataclass
 class Divergence:
+    variant: str
     num_prompts: int
     max_tokens: int
     same_outputs: int  # prompts whose greedy outputs are identical
@@ -67,13 +80,15 @@ def _agreed_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def teacher_forced_logits(decoder: Any, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """Logits [T, V] of every position of `token_ids` run as one prompt through `decoder`."""
+def teacher_forced_logits(decoder: Any, token_ids: list[int], block_size: int = 16,
+                          kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Logits [T, V] of every position of `token_ids` run as one prompt through `decoder`, over
+    KV caches of `kv_dtype`."""
     from backfill.model.attention import build_attention_metadata
 
     num_tokens = len(token_ids)
     num_blocks = math.ceil(num_tokens / block_size)
-    caches = decoder.make_kv_caches(num_blocks, block_size)
+    caches = decoder.make_kv_caches(num_blocks, block_size, kv_dtype)
     positions, meta = build_attention_metadata([0], [num_tokens], [list(range(num_blocks))], block_size,
                                                torch.device("cpu"))
     ids = torch.tensor(token_ids, dtype=torch.int64)
@@ -81,25 +96,30 @@ def teacher_forced_logits(decoder: Any, token_ids: list[int], block_size: int = 
 
 
 def measure_divergence(config: EngineConfig, num_prompts: int, max_tokens: int, seed: int,
-                       prompt_words: tuple[int, int] = (8, 160)) -> Divergence:
+                       prompt_words: tuple[int, int] = (8, 160), variant: str = "int8-activations") -> Divergence:
     from dataclasses import replace
 
     from backfill.model.cpu_decoder import load_cpu_decoder
 
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+    exact_config = replace(config, **_EXACT)
+    variant_config = replace(exact_config, **VARIANTS[variant])
     prompts = make_prompts(num_prompts, prompt_words[0], prompt_words[1], seed)
-    prompt_ids, reference = greedy_outputs(replace(config, activation_quantization="none"), prompts, max_tokens)
-    _, quantized = greedy_outputs(replace(config, activation_quantization="int8"), prompts, max_tokens)
+    prompt_ids, reference = greedy_outputs(exact_config, prompts, max_tokens)
+    _, quantized = greedy_outputs(variant_config, prompts, max_tokens)
     same = sum(a == b for a, b in zip(reference, quantized))
     shares = [_agreed_prefix(a, b) / len(a) if a else float(a == b) for a, b in zip(reference, quantized)]
 
     decoder = load_cpu_decoder(config.model, config.quantization)
     max_err = total_err = max_logit = 0.0
     positions = agree = 0
+    kv_dtype = getattr(torch, variant_config.kv_cache_dtype) if variant_config.kv_cache_dtype != "auto" else torch.float32
     for ids, out in zip(prompt_ids, reference):
         decoder.activation_quantization = "none"
         exact = teacher_forced_logits(decoder, ids + out)  # [T, V]
-        decoder.activation_quantization = "int8"
-        approx = teacher_forced_logits(decoder, ids + out)
+        decoder.activation_quantization = variant_config.activation_quantization
+        approx = teacher_forced_logits(decoder, ids + out, kv_dtype=kv_dtype)
         err = (approx - exact).abs()
         max_err = max(max_err, float(err.max()))
         total_err += float(err.double().mean()) * len(exact)
@@ -107,13 +127,13 @@ def measure_divergence(config: EngineConfig, num_prompts: int, max_tokens: int, 
         positions += len(exact)
         agree += int((approx.argmax(dim=-1) == exact.argmax(dim=-1)).sum())
     kernels = decoder.kernels
-    return Divergence(num_prompts, max_tokens, same, sum(shares) / len(shares), positions, max_err,
+    return Divergence(variant, num_prompts, max_tokens, same, sum(shares) / len(shares), positions, max_err,
                       total_err / positions, max_logit, agree / positions, kernels)
 
 
 def format_divergence(d: Divergence) -> str:
     return "\n".join([
-        f"int8 activations ({d.kernels}) against the fp32 path, {d.num_prompts} prompts, greedy, "
+        f"{_TITLES[d.variant]} ({d.kernels}) against the exact fp32 path, {d.num_prompts} prompts, greedy, "
         f"up to {d.max_tokens} tokens each:",
         f"  greedy agreement: {d.same_outputs}/{d.num_prompts} outputs identical "
         f"({d.same_outputs / d.num_prompts:.0%}); on average {d.mean_agreed_share:.1%} of the fp32 output "

@@ -159,6 +159,8 @@ class ModelShape:
     # not `matmul_params` of the compute dtype: the CPU kernels read a GGUF's blocks as stored.
     # None: dense weights in the compute dtype.
     weight_bytes_per_step: int | None = None
+    # The KV cache's element type where it is not the compute dtype (`--kv-cache-dtype`).
+    kv_dtype: str | None = None
 
     def weight_bytes(self, dtype: str) -> int:
         if self.weight_bytes_per_step is not None:
@@ -175,7 +177,8 @@ class ModelShape:
         return self.num_params if self.tie_word_embeddings else self.num_params - self.lm_head_params
 
     def kv_bytes_per_token(self, dtype: str) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[resolve_dtype(dtype)]
+        element = DTYPE_BYTES[self.kv_dtype or resolve_dtype(dtype)]
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
 def load_model_shape(model: str | None) -> ModelShape:
@@ -246,11 +249,13 @@ def ideal_step(
 
 
 def engine_model_shape(shape: ModelShape, engine: Any) -> tuple[ModelShape, str]:
-    """`shape` with the bytes the engine's model really reads per step, and the dtype it
-    computes in (fp32 on the CPU kernels whatever `dtype="auto"` would pick for a dense model)."""
-    model = engine.runner.model
-    dtype = str(engine.runner.dtype).removeprefix("torch.")
-    return replace(shape, weight_bytes_per_step=int(model.weight_bytes_per_step)), dtype
+    """`shape` with the bytes the engine's model really reads per step (its weights, its KV
+    cache's elements), and the dtype it computes in (fp32 on the CPU kernels whatever
+    `dtype="auto"` would pick for a dense model)."""
+    runner = engine.runner
+    dtype = str(runner.dtype).removeprefix("torch.")
+    kv_dtype = str(runner.kv_dtype).removeprefix("torch.")
+    return replace(shape, weight_bytes_per_step=int(runner.model.weight_bytes_per_step), kv_dtype=kv_dtype), dtype
 
 
 def decode_roofline(

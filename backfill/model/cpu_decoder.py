@@ -235,10 +235,12 @@ class CpuDecoder:
         Hkv, D] each, as contiguous copies in this decoder's layout (tests, benchmarks)."""
         return k_rows.permute(0, 2, 3, 1).contiguous(), v_rows.permute(0, 2, 1, 3).contiguous()
 
-    def make_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[Tensor, Tensor]]:
-        """Zeroed per-layer (k_cache, v_cache) pairs, fp32, shaped as kv_cache_shapes says."""
+    def make_kv_caches(self, num_blocks: int, block_size: int,
+                       dtype: torch.dtype = torch.float32) -> list[tuple[Tensor, Tensor]]:
+        """Zeroed per-layer (k_cache, v_cache) pairs, fp32 (or bf16: kv_cache_dtype), shaped as
+        kv_cache_shapes says."""
         k_shape, v_shape = self.kv_cache_shapes(num_blocks, block_size)
-        return [(kernels.zeros(k_shape), kernels.zeros(v_shape)) for _ in range(self.config.num_layers)]
+        return [(kernels.zeros(k_shape, dtype), kernels.zeros(v_shape, dtype)) for _ in range(self.config.num_layers)]
 
     @property
     def kv_prefetch_cap(self) -> int:

@@ -59,6 +59,7 @@ class ModelRunner:
             keep_freed_memory()  # a step's [S, V] temporaries reuse the last step's pages
         self.model: LlamaForCausalLM | CpuDecoder = self._load_model()
         self.dtype = torch.float32 if isinstance(self.model, CpuDecoder) else resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = self._kv_cache_dtype()
         self.model_config = self.model.config
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.block_size = config.block_size
@@ -142,10 +143,24 @@ class ModelRunner:
         attention = 4 * cfg.num_heads * cfg.head_dim
         return attention / (2 * linear)
 
+    def _kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the activations' ("auto"), or bf16 where the CPU kernels
+        read it (they widen each element to fp32; the plain-PyTorch model has no such path)."""
+        if self.config.kv_cache_dtype == "auto":
+            return self.dtype
+        kv_dtype = getattr(torch, self.config.kv_cache_dtype)
+        if kv_dtype != self.dtype and not isinstance(self.model, CpuDecoder):
+            raise ConfigError(f"kv_cache_dtype={self.config.kv_cache_dtype!r} with {self.dtype} activations "
+                              f"runs on the CPU kernels only (device {self.config.device}, dtype "
+                              f"{self.config.dtype}, quantization {self.config.quantization})")
+        if kv_dtype != self.dtype:
+            logger.info("KV cache in %s (opt-in: K and V rounded; see `backfill bench divergence`)", kv_dtype)
+        return kv_dtype
+
     @property
     def kv_bytes_per_token(self) -> int:
         cfg = self.model_config
-        element_size = torch.empty((), dtype=self.dtype).element_size()
+        element_size = self.kv_dtype.itemsize
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element_size
 
     def _fit_max_model_len(self) -> int:
@@ -175,8 +190,8 @@ class ModelRunner:
         )
         def zeros(shape: tuple[int, ...]) -> torch.Tensor:  # K or V, as the model lays them out
             if self.device.type == "cpu":  # on huge pages where it can: every step sweeps them
-                return kernels.zeros(shape, self.dtype)
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+                return kernels.zeros(shape, self.kv_dtype)
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
         return [(zeros(k_shape), zeros(v_shape)) for _ in range(cfg.num_layers)]
 

@@ -87,6 +87,17 @@ def test_divergence_command_measures_int8_against_fp32(tmp_path: Path) -> None:
     assert "greedy agreement:" in proc.stdout and "max |error|" in proc.stdout and "int8 x (" in proc.stdout
 
 
+def test_divergence_command_measures_a_bf16_kv_cache(tmp_path: Path) -> None:
+    out = tmp_path / "divergence.json"
+    proc = _bench("divergence", "--variant", "bf16-kv-cache", "--num-prompts", "2", "--max-tokens", "6",
+                  "--prompt-words", "5", "20", "--result-file", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["variant"] == "bf16-kv-cache" and data["num_prompts"] == 2
+    assert 0 < data["max_abs_logit_error"] < data["max_abs_logit"] and 0 < data["argmax_agreement"] <= 1
+    assert "a bf16 KV cache (" in proc.stdout and "int8 x (" not in proc.stdout
+
+
 @pytest.mark.parametrize("args", [["--num-prompts", "0"], ["--prompt-words", "9", "3"]])
 def test_divergence_command_refuses_bad_arguments(args: list[str]) -> None:
     proc = _bench("divergence", *args)

@@ -22,6 +22,7 @@ VALUES: dict[str, Any] = {
     "device": "cuda:1", "seed": 5, "num_threads": 2, "prefill_budget": 0, "static_padding": False,
     "prepack_weights": False, "enable_prefix_caching": False, "scheduling_policy": "priority",
     "priority_aging_steps": 7, "request_timeout": 2.5, "enforce_eager": True, "activation_quantization": "int8",
+    "kv_cache_dtype": "bfloat16",
 }
 
 
@@ -70,7 +71,7 @@ def test_bad_values_raise_value_error(argv: list[str]) -> None:
         EngineConfig.from_cli_args(args)
 
 
-@pytest.mark.parametrize("argv", [["--policy", "greedy"], ["--scheduling-policy", "lifo"], ["--dtype", "int4"], ["--quantization", "q2"],
+@pytest.mark.parametrize("argv", [["--policy", "greedy"], ["--scheduling-policy", "lifo"], ["--dtype", "int4"], ["--quantization", "q2"], ["--kv-cache-dtype", "fp8"],
                                   ["--max-num-seqs", "many"]])
 def test_values_outside_the_choices_are_usage_errors(argv: list[str]) -> None:
     with pytest.raises(SystemExit):

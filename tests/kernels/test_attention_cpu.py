@@ -70,6 +70,29 @@ def test_wide_heads_match_naive(case: str, num_heads: int, num_kv_heads: int, he
     torch.testing.assert_close(fused(q, k_cache, v_cache, meta), expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 2, 16, 5), (6, 2, 24, 16), (4, 1, 12, 7), (8, 2, 128, 16)],
+)
+def test_bf16_caches_read_as_their_fp32_values(case: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                                               block_size: int, window: int | None) -> None:
+    """bf16 caches (kv_cache_dtype="bfloat16") give the bits fp32 caches holding the same rounded
+    values give, in every layout (decodes, chunks, a block size the SIMD width does not divide)
+    and SIMD variant: the kernels widen each element exactly, nothing else changes."""
+    q, k_cache, v_cache, meta = random_step(case, num_heads, num_kv_heads, head_dim, block_size, window)
+    k16, v16 = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)  # [blocks, bs, Hkv, D]
+    expected = fused(q, k16.float(), v16.float(), meta, window)  # [T, H, D]
+    assert torch.equal(fused(q, k16, v16, meta, window), expected)
+
+
+def test_rejects_mixed_cache_dtypes() -> None:
+    q, k_cache, v_cache, meta = random_step("decode_only", 4, 2, 16, 16)
+    with pytest.raises(RuntimeError, match="both fp32 or both bf16"):
+        fused(q, k_cache.to(torch.bfloat16), v_cache, meta)
+
+
 @pytest.mark.parametrize("window", [1, 5, 16, 40, 100, 300])  # 300: split decodes with a window
 @pytest.mark.parametrize("case", ["mixed", "ragged_decodes", "chunked_only"])
 def test_sliding_window_matches_naive(case: str, window: int) -> None:

@@ -336,6 +336,39 @@ def test_decode_from_lists_matches_forward(name: str) -> None:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("name", ["gqa2_hd16", "sliding_window", "qwen2_bias_hd64"])
+def test_bf16_kv_caches(name: str) -> None:
+    """kv_cache_dtype="bfloat16": the decoder writes K and V rounded to nearest even (layer 0's,
+    whose inputs are the same in both runs, equal the fp32 run's .to(torch.bfloat16) bit for
+    bit), decode() over bf16 caches gives forward's logits and caches bit for bit, and the
+    logits stay near the fp32 ones (the rounding is the only change)."""
+    model = tiny_model(name)
+    decoders = [CpuDecoder.from_dense(model) for _ in range(3)]
+    drivers = [PagedDriver(d, num_blocks=64, block_size=8, seed=5) for d in decoders]
+    for driver in drivers[1:]:  # [1]: decode(), [2]: forward, both over bf16 caches
+        driver.kv_caches = driver.model.make_kv_caches(64, 8, torch.bfloat16)
+    prompts = [(r, torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(n)).tolist())
+               for r, n in [("a", 13), ("b", 1), ("c", 30)]]
+    exact = drivers[0].step(prompts)
+    approx = drivers[2].step(prompts)
+    drivers[1].step(prompts)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(10):
+        batch = [(r, int(torch.randint(0, 101, (1,), generator=gen))) for r in ["a", "b", "c"][step % 2:]]
+        fk, fv = drivers[0].kv_caches[0]
+        bk, bv = drivers[2].kv_caches[0]
+        assert bk.dtype == torch.bfloat16 and torch.equal(bk, fk.to(torch.bfloat16)), f"step {step}: layer 0 K"
+        assert torch.equal(bv, fv.to(torch.bfloat16)), f"step {step}: layer 0 V"
+        scale = float(exact.abs().max())
+        assert float((approx - exact).abs().max()) < 0.05 * scale, f"step {step}"
+        exact = drivers[0].step([(r, [t]) for r, t in batch])
+        approx = drivers[2].step([(r, [t]) for r, t in batch])
+        logits, _ = decode_step(drivers[1], batch, greedy=False)
+        assert logits is not None and torch.equal(logits, approx), f"step {step}: decode() differs from forward"
+        for (k, v), (tk, tv) in zip(drivers[1].kv_caches, drivers[2].kv_caches):
+            assert torch.equal(k, tk) and torch.equal(v, tv), f"step {step}: KV caches differ"
+
+
 def test_decode_refuses_bad_lists_and_the_next_step_runs() -> None:
     """CpuDecoder.decode checks every list before it writes a cache: an unknown token id, a slot or
     block id past the cache, lists of different lengths are refused (RuntimeError), and the next

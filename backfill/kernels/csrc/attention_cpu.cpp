@@ -137,15 +137,14 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
       if (offset >= 0) t.partial = partials.data() + offset;
       tiles.push_back(t);
       total_work += cost(t);
-      total_kv_bytes += 2 * span(t) * shape.head_dim * static_cast<int64_t>(sizeof(float));
+      total_kv_bytes += 2 * span(t) * shape.head_dim * kv_element_bytes(shape);
     }
   }
   unit_start.push_back(static_cast<int64_t>(tiles.size()));
   // A unit's tiles read the same blocks (a block holds every KV head's panel), so its first tile
   // names them; prompt tiles of one sequence share their first blocks: each is kept once.
   prefetch_blocks.clear();
-  const int64_t block_kv_bytes = 2 * shape.block_size * shape.num_kv_heads * shape.head_dim *
-                                 static_cast<int64_t>(sizeof(float));
+  const int64_t block_kv_bytes = 2 * shape.block_size * shape.num_kv_heads * shape.head_dim * kv_element_bytes(shape);
   const int64_t max_blocks = prefetch_budget / block_kv_bytes;
   if (max_blocks > 0) {
     std::vector<bool> seen(static_cast<size_t>(num_blocks), false);
@@ -164,7 +163,7 @@ void AttentionPlan::build(const StepMeta& meta, const AttentionShape& shape, int
 }
 
 void AttentionPlan::run(const DecoderKernels& kernels, const AttentionShape& shape, const float* q, int64_t ldq,
-                        const float* k_cache, const float* v_cache, float* out, int64_t ldo, const Team* team) {
+                        const void* k_cache, const void* v_cache, float* out, int64_t ldo, const Team* team) {
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   const int64_t num_units = static_cast<int64_t>(unit_start.size()) - 1;
   const int64_t threads = team != nullptr ? team->size : at::get_num_threads();

@@ -407,7 +407,7 @@ class FusedDecoder {
   }
 
   // Every KV cache shaped as the decoder needs (K [num_blocks, Hkv, D, bs], V [num_blocks, Hkv,
-  // bs, D], contiguous fp32 on the CPU), one pair per layer.
+  // bs, D], contiguous fp32 or bf16 on the CPU, all of one dtype), one pair per layer.
   void check_kv_caches(const std::vector<KVCache>& kv_caches) const {
     TORCH_CHECK(!layers_.empty(), "decoder weights are incomplete");
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one (k_cache, v_cache) pair per layer");
@@ -422,8 +422,9 @@ class FusedDecoder {
                   "every K cache must be shaped like the first, every V cache [num_blocks, num_kv_heads, "
                   "block_size, head_dim]");
       for (const torch::Tensor& c : {k, v})
-        TORCH_CHECK(c.scalar_type() == torch::kFloat32 && c.is_contiguous() && c.device().is_cpu(),
-                    "every KV cache must be a contiguous fp32 CPU tensor");
+        TORCH_CHECK((c.scalar_type() == torch::kFloat32 || c.scalar_type() == torch::kBFloat16) &&
+                        c.scalar_type() == k0.scalar_type() && c.is_contiguous() && c.device().is_cpu(),
+                    "every KV cache must be a contiguous CPU tensor, all fp32 or all bf16");
     }
   }
 
@@ -451,7 +452,8 @@ class FusedDecoder {
       TORCH_CHECK(slots[i] >= 0 && slots[i] < num_blocks * block_size, "slot ", slots[i], " out of range");
     const int64_t window = in.window;
     const AttentionShape shape{num_kv_heads_, head_dim_, num_heads_ / num_kv_heads_, block_size,
-                               1.0f / std::sqrt(static_cast<float>(head_dim_)), window > 0 ? window : 0};
+                               1.0f / std::sqrt(static_cast<float>(head_dim_)), window > 0 ? window : 0,
+                               k0.scalar_type() == torch::kBFloat16};
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const int64_t qkv_cols = q_size + 2 * kv_size;
     const int64_t num_shards = plan_shards(meta);
@@ -639,14 +641,14 @@ class FusedDecoder {
     lap(sh.other_s);
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
-      float* k_cache = std::get<0>(kv_caches[l]).data_ptr<float>();  // [blocks, Hkv, D, bs]
-      float* v_cache = std::get<1>(kv_caches[l]).data_ptr<float>();  // [blocks, Hkv, bs, D]
+      void* k_cache = std::get<0>(kv_caches[l]).data_ptr();  // [blocks, Hkv, D, bs]
+      void* v_cache = std::get<1>(kv_caches[l]).data_ptr();  // [blocks, Hkv, bs, D]
       norm_rows(x, layer.input_norm.data_ptr<float>(), num_tokens, xn, norm_team);
       lap(sh.other_s, !own_xn);
       layer.qkv.run(xn, num_tokens, hidden_, qkv, qkv_cols, false, nullptr, team);
       lap(sh.linear_s);
-      rope_and_write_kv(qkv, qkv_cols, b.pos + t0, b.cos, b.sin, b.slots + t0, num_tokens, block_size, k_cache,
-                        v_cache, team);
+      rope_and_write_kv(qkv, qkv_cols, b.pos + t0, b.cos, b.sin, b.slots + t0, num_tokens, shape, k_cache, v_cache,
+                        team);
       lap(sh.other_s, false);  // plan.run syncs a team before its first read
       // While o_proj and the MLP compute, the next layer's K/V (the share the budget above allows)
       // comes from memory; its attention then reads it from the caches. The lines are split
@@ -655,14 +657,14 @@ class FusedDecoder {
       // The spans are listed by one thread, for all (the barrier after attention publishes them).
       const bool prefetch_next = l + 1 < layers_.size() && !plan.prefetch_blocks.empty();
       if (prefetch_next && (team == nullptr || team->index == 0))
-        kv_spans(plan, std::get<0>(kv_caches[l + 1]).data_ptr<float>(),
-                 std::get<1>(kv_caches[l + 1]).data_ptr<float>(), block_size, sh.side_spans);
+        kv_spans(plan, std::get<0>(kv_caches[l + 1]).data_ptr(), std::get<1>(kv_caches[l + 1]).data_ptr(),
+                 shape, sh.side_spans);
       plan.run(attention_, shape, qkv, qkv_cols, k_cache, v_cache, attn, q_size, team);
       lap(sh.attention_s);
       SidePrefetch side_o{nullptr, 0, 0}, side_gu{nullptr, 0, 0}, side_down{nullptr, 0, 0};
       if (prefetch_next) {
-        const int64_t n = static_cast<int64_t>(sh.side_spans.size()), line_floats = 64 / sizeof(float);
-        const int64_t span_lines = block_size * num_kv_heads_ * head_dim_ / line_floats;
+        const int64_t n = static_cast<int64_t>(sh.side_spans.size());
+        const int64_t span_lines = block_size * num_kv_heads_ * head_dim_ * kv_element_bytes(shape) / 64;
         side_o = {sh.side_spans.data(), 15 * n / 100, span_lines};
         side_gu = {side_o.spans + side_o.num_spans, 35 * n / 100, span_lines};
         side_down = {side_gu.spans + side_gu.num_spans, n - side_o.num_spans - side_gu.num_spans, span_lines};
@@ -686,13 +688,13 @@ class FusedDecoder {
   }
 
   // spans = the K and V blocks of plan.prefetch_blocks in these caches, in that order.
-  void kv_spans(const AttentionPlan& plan, const float* k_cache, const float* v_cache, int64_t block_size,
+  void kv_spans(const AttentionPlan& plan, const void* k_cache, const void* v_cache, const AttentionShape& shape,
                 std::vector<const char*>& spans) const {
-    const int64_t block_floats = block_size * num_kv_heads_ * head_dim_;
+    const int64_t block_bytes = shape.block_size * num_kv_heads_ * head_dim_ * kv_element_bytes(shape);
     spans.clear();
     for (const int64_t id : plan.prefetch_blocks) {
-      spans.push_back(reinterpret_cast<const char*>(k_cache + id * block_floats));
-      spans.push_back(reinterpret_cast<const char*>(v_cache + id * block_floats));
+      spans.push_back(static_cast<const char*>(k_cache) + id * block_bytes);
+      spans.push_back(static_cast<const char*>(v_cache) + id * block_bytes);
     }
   }
 
@@ -705,10 +707,22 @@ class FusedDecoder {
   // Rotate-half RoPE of q and k in place, x * cos + roll(x, D/2) * signed_sin (two roundings
   // per term, as apply_rope), then k and v of each token into its cache slot: per KV head, k
   // as column slot % block_size of the K panel [D, block_size], v as row slot % block_size of
-  // the V panel [block_size, D] (see AttentionShape).
+  // the V panel [block_size, D] (see AttentionShape). bf16 caches get each value rounded to
+  // nearest even (c10::BFloat16's rounding, as torch's .to(torch.bfloat16)).
   void rope_and_write_kv(float* qkv, int64_t ld, const int64_t* positions, const float* cos, const float* sin,
-                         const int64_t* slots, int64_t num_tokens, int64_t block_size, float* k_cache,
-                         float* v_cache, const Team* team) const {
+                         const int64_t* slots, int64_t num_tokens, const AttentionShape& shape, void* k_cache,
+                         void* v_cache, const Team* team) const {
+    if (shape.kv_bf16)
+      rope_and_write_kv(qkv, ld, positions, cos, sin, slots, num_tokens, shape.block_size,
+                        static_cast<c10::BFloat16*>(k_cache), static_cast<c10::BFloat16*>(v_cache), team);
+    else
+      rope_and_write_kv(qkv, ld, positions, cos, sin, slots, num_tokens, shape.block_size,
+                        static_cast<float*>(k_cache), static_cast<float*>(v_cache), team);
+  }
+  template <typename CacheT>
+  void rope_and_write_kv(float* qkv, int64_t ld, const int64_t* positions, const float* cos, const float* sin,
+                         const int64_t* slots, int64_t num_tokens, int64_t block_size, CacheT* k_cache,
+                         CacheT* v_cache, const Team* team) const {
     const int64_t d_len = head_dim_, half = head_dim_ / 2, panel = block_size * head_dim_;
     for_share(team, num_tokens, 32, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
@@ -729,10 +743,10 @@ class FusedDecoder {
         const float* v = k + num_kv_heads_ * d_len;  // [Hkv, D]
         const int64_t block = slots[t] / block_size, in_block = slots[t] % block_size;
         for (int64_t h = 0; h < num_kv_heads_; ++h) {
-          float* k_panel = k_cache + (block * num_kv_heads_ + h) * panel + in_block;
-          for (int64_t d = 0; d < d_len; ++d) k_panel[d * block_size] = k[h * d_len + d];
-          std::memcpy(v_cache + (block * num_kv_heads_ + h) * panel + in_block * d_len, v + h * d_len,
-                      sizeof(float) * d_len);
+          CacheT* k_panel = k_cache + (block * num_kv_heads_ + h) * panel + in_block;
+          CacheT* v_row = v_cache + (block * num_kv_heads_ + h) * panel + in_block * d_len;
+          for (int64_t d = 0; d < d_len; ++d) k_panel[d * block_size] = static_cast<CacheT>(k[h * d_len + d]);
+          for (int64_t d = 0; d < d_len; ++d) v_row[d] = static_cast<CacheT>(v[h * d_len + d]);
         }
       }
     });
@@ -765,8 +779,8 @@ class FusedDecoder {
 };
 
 // Standalone paged attention (tests, benchmarks): q [T, H, D] -> out [T, H, D], the caches
-// (K [blocks, Hkv, D, bs], V [blocks, Hkv, bs, D]: see AttentionShape) already holding this
-// step's K/V. Same kernels and tiling as the decoder step.
+// (K [blocks, Hkv, D, bs], V [blocks, Hkv, bs, D]: see AttentionShape; both fp32 or both bf16)
+// already holding this step's K/V. Same kernels and tiling as the decoder step.
 torch::Tensor paged_attention_cpu(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                                   const torch::Tensor& query_start, double scale, int64_t window) {
@@ -779,19 +793,21 @@ torch::Tensor paged_attention_cpu(const torch::Tensor& q, const torch::Tensor& k
               "caches must be K [num_blocks, num_kv_heads, head_dim, block_size] and V [num_blocks, num_kv_heads, "
               "block_size, head_dim] for q [T, H, head_dim]");
   fp32_data(q, q.numel(), "q");
-  fp32_data(k_cache, k_cache.numel(), "k_cache");
-  fp32_data(v_cache, v_cache.numel(), "v_cache");
+  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
+  for (const torch::Tensor& c : {k_cache, v_cache})
+    TORCH_CHECK(c.device().is_cpu() && c.is_contiguous() && c.scalar_type() == (bf16 ? torch::kBFloat16 : torch::kFloat32),
+                "the caches must be contiguous CPU tensors, both fp32 or both bf16");
   const StepMeta meta{num_tokens, seq_lens.numel(), int64_data(query_start, "query_start"),
                       int64_data(seq_lens, "seq_lens"), int64_data(block_tables, "block_tables"),
                       block_tables.size(1)};
   TORCH_CHECK(query_start.numel() == meta.num_seqs + 1 && block_tables.size(0) == meta.num_seqs, "bad metadata");
   const AttentionShape shape{num_kv_heads, head_dim, num_heads / num_kv_heads, block_size,
-                             static_cast<float>(scale), window > 0 ? window : 0};
+                             static_cast<float>(scale), window > 0 ? window : 0, bf16};
   AttentionPlan plan;
   plan.build(meta, shape, k_cache.size(0));
   torch::Tensor out = torch::empty_like(q);  // [T, H, D]
   plan.run(attention_kernels(head_dim), shape, q.data_ptr<float>(), num_heads * head_dim,
-           k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(), num_heads * head_dim);
+           k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr<float>(), num_heads * head_dim);
   return out;
 }
 

@@ -26,6 +26,20 @@ inline vf load(const float* p) {
   return v;
 }
 inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+// W bf16 cache elements widened to fp32, exactly: each one's bits become an fp32's high half.
+typedef uint16_t vh __attribute__((vector_size(sizeof(vf) / 2)));
+inline vf load(const Bf16* p) {
+  vh h;
+  __builtin_memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vi) << 16);
+}
+inline float to_float(float x) { return x; }
+inline float to_float(Bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
 inline float hsum(vf v) {  // fixed left-to-right order
   float s = v[0];
   for (int64_t i = 1; i < W; ++i) s += v[i];
@@ -133,6 +147,9 @@ constexpr int64_t kPvSlice = W >= 16 ? 8 : 3;
 // decode attention, K/V in cache: 16 decodes over 128 keys 5.5% faster (one thread), over 512
 // 10%, one over 4,000 12%, 8 over 1,024 (2 threads) 11%; K/V from memory (16 x 2,048) the same.
 constexpr int64_t kPvSliceKeys = W >= 16 ? 8 : 4;
+// Cache elements a 64-byte line holds (one prefetch each).
+template <typename CacheT>
+constexpr int64_t kLineElems = 64 / static_cast<int64_t>(sizeof(CacheT));
 // Rows across lanes prefetch K/V chunks this many keys ahead (keys across lanes: see attend_keys).
 constexpr int64_t kPrefetchKeys = 16;
 // Tiles of at most this many rows (query tokens x G: decodes, chunks of a token or two) put
@@ -172,9 +189,9 @@ int64_t attention_scratch(const AttentionShape& s, int64_t max_rows) {
 // registers over them, each V load feeds NR FMAs. Per output element one fma chain over the
 // keys in key order. ahead (null: none): runs of d_len floats to prefetch, ahead[2 j] and
 // ahead[2 j + 1] (those not null) beside key j.
-template <int64_t DV, int64_t NR>
-inline void pv_block(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t j0, int64_t j1,
-                     int64_t x0, float* o, int64_t d_len, const float* const* ahead) {
+template <int64_t DV, int64_t NR, typename CacheT>
+inline void pv_block(const float* p, int64_t p_row, int64_t p_key, const CacheT* const* v_rows, int64_t j0,
+                     int64_t j1, int64_t x0, float* o, int64_t d_len, const CacheT* const* ahead) {
   vf acc[NR][DV];
   for (int64_t r = 0; r < NR; ++r)
     for (int64_t x = 0; x < DV; ++x) acc[r][x] = load(o + r * d_len + x0 + x * W);
@@ -182,7 +199,7 @@ inline void pv_block(const float* p, int64_t p_row, int64_t p_key, const float* 
     if (ahead != nullptr)
       for (int64_t c = 2 * j; c < 2 * j + 2; ++c)
         if (ahead[c] != nullptr)
-          for (int64_t x = 0; x < d_len; x += 16) __builtin_prefetch(ahead[c] + x, 0, 2);  // prefetcht1
+          for (int64_t x = 0; x < d_len; x += kLineElems<CacheT>) __builtin_prefetch(ahead[c] + x, 0, 2);  // prefetcht1
     if (v_rows[j] == nullptr) continue;  // outside the tile's key range: p is 0 for every row
     if constexpr (W < 16 && NR * DV + DV + 1 > 16) {  // 16 registers: P first (kPvSliceKeys)
       vf pr[NR];
@@ -205,18 +222,18 @@ inline void pv_block(const float* p, int64_t p_row, int64_t p_key, const float* 
 }
 
 // The last n (1 <= n <= N) rows as one block.
-template <int64_t DV, int64_t N>
-inline void pv_tail(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t j0, int64_t j1,
-                    int64_t x0, float* o, int64_t d_len, int64_t n, const float* const* ahead) {
+template <int64_t DV, int64_t N, typename CacheT>
+inline void pv_tail(const float* p, int64_t p_row, int64_t p_key, const CacheT* const* v_rows, int64_t j0, int64_t j1,
+                    int64_t x0, float* o, int64_t d_len, int64_t n, const CacheT* const* ahead) {
   if constexpr (N > 1) {
     if (n < N) return pv_tail<DV, N - 1>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, n, ahead);
   }
   pv_block<DV, N>(p, p_row, p_key, v_rows, j0, j1, x0, o, d_len, ahead);
 }
 
-template <int64_t DV>
-inline void pv_rows(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t j0, int64_t j1,
-                    int64_t x0, float* o, int64_t d_len, int64_t rows, const float* const* ahead) {
+template <int64_t DV, typename CacheT>
+inline void pv_rows(const float* p, int64_t p_row, int64_t p_key, const CacheT* const* v_rows, int64_t j0, int64_t j1,
+                    int64_t x0, float* o, int64_t d_len, int64_t rows, const CacheT* const* ahead) {
   constexpr int64_t NR = kAccRegs / DV > 0 ? kAccRegs / DV : 1;
   int64_t r = 0;
   for (; r + NR <= rows; r += NR, ahead = nullptr)
@@ -228,9 +245,9 @@ inline void pv_rows(const float* p, int64_t p_row, int64_t p_key, const float* c
 // O[rows, D] += P . V over the tile's keys [j0, j1), D cut into slices of at most Slice
 // registers (how D is cut never changes an element's fma chain); the runs `ahead` are prefetched
 // once, spread over the first block's keys.
-template <int64_t Slice>
-inline void accumulate_pv(const float* p, int64_t p_row, int64_t p_key, const float* const* v_rows, int64_t j0,
-                          int64_t j1, float* o, int64_t d_len, int64_t rows, const float* const* ahead = nullptr) {
+template <int64_t Slice, typename CacheT>
+inline void accumulate_pv(const float* p, int64_t p_row, int64_t p_key, const CacheT* const* v_rows, int64_t j0,
+                          int64_t j1, float* o, int64_t d_len, int64_t rows, const CacheT* const* ahead = nullptr) {
   static_assert(Slice >= 1 && Slice <= 8, "slices of 1 to 8 registers");
   for (int64_t x0 = 0; x0 < d_len; x0 += Slice * W, ahead = nullptr) {
     switch ((d_len - x0) / W >= Slice ? Slice : (d_len - x0) / W) {
@@ -265,8 +282,8 @@ inline void accumulate_pv(const float* p, int64_t p_row, int64_t p_key, const fl
 // by the cache's block size) against Q^T, keys across lanes Q rows against K^T (read in place
 // from the cache, see attend_keys); a product's factor order never matters: fma is exact, then
 // rounds.
-template <int64_t NVEC, int64_t NB>
-inline void dot_block(const float* const* vecs, int64_t vec_stride, const float* const* bcast, int64_t b_stride,
+template <int64_t NVEC, int64_t NB, typename VecT, typename BcastT>
+inline void dot_block(const VecT* const* vecs, int64_t vec_stride, const BcastT* const* bcast, int64_t b_stride,
                       int64_t d_len, float* out, int64_t out_stride) {
   vf acc[NB][NVEC];
   for (int64_t b = 0; b < NB; ++b)
@@ -277,7 +294,7 @@ inline void dot_block(const float* const* vecs, int64_t vec_stride, const float*
       // (a decode's 3 rows x 4 registers of keys: 12 FMA chains where 3 x 2 ran 6; AVX2 decode
       // attention ~5% faster on a Zen 4). AVX-512 keeps the order below: this one ran ~4% slower.
       vf x[NB];
-      for (int64_t b = 0; b < NB; ++b) x[b] = splat(bcast[b][d * b_stride]);
+      for (int64_t b = 0; b < NB; ++b) x[b] = splat(to_float(bcast[b][d * b_stride]));
       for (int64_t v = 0; v < NVEC; ++v) {
         vf vec = load(vecs[v] + d * vec_stride);
         asm("" : "+v"(vec));  // one load per vector (see below)
@@ -290,7 +307,7 @@ inline void dot_block(const float* const* vecs, int64_t vec_stride, const float*
         asm("" : "+v"(vec[v]));  // one load per vector: GCC would fold it into every FMA (NB loads)
       }
       for (int64_t b = 0; b < NB; ++b) {
-        const vf x = splat(bcast[b][d * b_stride]);
+        const vf x = splat(to_float(bcast[b][d * b_stride]));
         for (int64_t v = 0; v < NVEC; ++v) acc[b][v] = fmadd(x, vec[v], acc[b][v]);
       }
     }
@@ -300,8 +317,8 @@ inline void dot_block(const float* const* vecs, int64_t vec_stride, const float*
 }
 
 // The same for the last n (1 <= n <= N) broadcast rows, as one block.
-template <int64_t NVEC, int64_t N>
-inline void dot_tail(const float* const* vecs, int64_t vec_stride, const float* const* bcast, int64_t b_stride,
+template <int64_t NVEC, int64_t N, typename VecT, typename BcastT>
+inline void dot_tail(const VecT* const* vecs, int64_t vec_stride, const BcastT* const* bcast, int64_t b_stride,
                      int64_t d_len, float* out, int64_t out_stride, int64_t n) {
   if constexpr (N > 1) {
     if (n < N) return dot_tail<NVEC, N - 1>(vecs, vec_stride, bcast, b_stride, d_len, out, out_stride, n);
@@ -311,8 +328,8 @@ inline void dot_tail(const float* const* vecs, int64_t vec_stride, const float* 
 
 // Keys across lanes: scores[r * BK + j] = Q'[r] . K[j] for every row and NVEC registers of keys
 // (kt[v]: register v's keys for d = 0, the next d kt_stride floats on), KR rows a block.
-template <int64_t NVEC>
-inline void key_scores(const float* const* kt, int64_t kt_stride, const float* const* q_rows, int64_t rows,
+template <int64_t NVEC, typename KeyT>
+inline void key_scores(const KeyT* const* kt, int64_t kt_stride, const float* const* q_rows, int64_t rows,
                        int64_t d_len, float* scores) {
   int64_t r = 0;
   for (; r + KR <= rows; r += KR) dot_block<NVEC, KR>(kt, kt_stride, q_rows + r, 1, d_len, scores + r * BK, BK);
@@ -321,11 +338,12 @@ inline void key_scores(const float* const* kt, int64_t kt_stride, const float* c
 
 // Everything one tile's key walk needs. Per row: the state of the current partition (acc,
 // row_max, row_sum) and of the partitions folded so far (folded_*).
+template <typename CacheT>
 struct TileState {
   const AttentionShape& s;
   const AttentionTile& t;
-  const float* k_cache;
-  const float* v_cache;
+  const CacheT* k_cache;
+  const CacheT* v_cache;
   int64_t d_len, group, rows, rows_pad;
   int64_t first, last;  // key positions visited
   float* acc;           // [rows, D] unnormalized output over the partition's keys so far
@@ -340,12 +358,12 @@ struct TileState {
   float* kt;            // keys across lanes, a block size W does not divide: K^T [D, KB] of one score block
   int32_t* lo;          // [rows_pad] first key position each row sees
   int32_t* hi;          // [rows_pad] last
-  const float* zeros;   // rows across lanes: [D, block_size], the K of a key no row sees
+  const CacheT* zeros;  // rows across lanes: [D, block_size], the K of a key no row sees
 };
 
 // Where the keys of a key tile and of the next one (j < 2 BK: position kb + j) sit in this
-// head's panels of the caches (see fused_kernels.h), in floats from a cache's start: k[j] is
-// the key's K element 0 (element d is d * block_size further on), v[j] its V row. The D floats
+// head's panels of the caches (see fused_kernels.h), in elements from a cache's start: k[j] is
+// the key's K element 0 (element d is d * block_size further on), v[j] its V row. The D elements
 // at v[j] in the K cache are the key's "chunk" of its K panel: a block's chunks tile its K panel
 // as its V rows tile its V panel (what the prefetches walk).
 struct KeyOffsets {
@@ -355,8 +373,9 @@ struct KeyOffsets {
 
 // k_rows[j] (unless k_rows is null) / v_rows[j] for j in [begin, end): key kb + j's K element 0
 // / V row (zeros / null where no row sees it, and so never read).
-void tile_rows(const TileState& st, int64_t kb, const KeyOffsets& off, const float** k_rows, const float** v_rows,
-               int64_t begin = 0, int64_t end = BK) {
+template <typename CacheT>
+void tile_rows(const TileState<CacheT>& st, int64_t kb, const KeyOffsets& off, const CacheT** k_rows,
+               const CacheT** v_rows, int64_t begin = 0, int64_t end = BK) {
   for (int64_t j = begin; j < end; ++j) {
     const int64_t p = kb + j;
     const bool seen = p >= st.first && p <= st.last;
@@ -373,11 +392,12 @@ void tile_rows(const TileState& st, int64_t kb, const KeyOffsets& off, const flo
 // ahead, no faster.
 // NOTE: always_inline: as a function of its own GCC finds it pure (prefetches write nothing)
 // and, as it returns nothing, deletes every call.
-__attribute__((always_inline)) inline void prefetch_keys(const TileState& st, int64_t kb, const KeyOffsets& off,
-                                                         int64_t begin, int64_t end) {
+template <typename CacheT>
+__attribute__((always_inline)) inline void prefetch_keys(const TileState<CacheT>& st, int64_t kb,
+                                                         const KeyOffsets& off, int64_t begin, int64_t end) {
   for (int64_t j = begin; j < end && kb + j <= st.last; ++j)
     if (kb + j >= st.first)
-      for (int64_t x = 0; x < st.d_len; x += 16) {
+      for (int64_t x = 0; x < st.d_len; x += kLineElems<CacheT>) {
         __builtin_prefetch(st.k_cache + off.v[j] + x, 0, 2);
         __builtin_prefetch(st.v_cache + off.v[j] + x, 0, 2);
       }
@@ -385,7 +405,8 @@ __attribute__((always_inline)) inline void prefetch_keys(const TileState& st, in
 
 // O[r] *= alpha[r] for the rows whose running max rose this key tile (alpha 0: the row saw no
 // key before, its O is all +0 and stays so).
-void rescale_rows(const TileState& st) {
+template <typename CacheT>
+void rescale_rows(const TileState<CacheT>& st) {
   for (int64_t r = 0; r < st.rows; ++r) {
     const float a = st.alpha[r];
     if (a == 1.0f || a == 0.0f) continue;
@@ -396,9 +417,10 @@ void rescale_rows(const TileState& st) {
 
 // Rows across lanes (prompt chunks): scores as K . Q^T (K elements broadcast from the cache,
 // Q transposed once per tile), the online softmax W rows at a time.
-void attend_rows(const TileState& st, int64_t kb, const KeyOffsets& off, const float** v_rows) {
+template <typename CacheT>
+void attend_rows(const TileState<CacheT>& st, int64_t kb, const KeyOffsets& off, const CacheT** v_rows) {
   const int64_t d_len = st.d_len, rows_pad = st.rows_pad, k_stride = st.s.block_size;
-  const float* k_rows[BK];
+  const CacheT* k_rows[BK];
   tile_rows(st, kb, off, k_rows, v_rows);
   // this tile's keys past the first few (prefetched by the tile before) and the next's first:
   // prompt chunks are compute-bound, a short distance suffices
@@ -476,18 +498,19 @@ void attend_rows(const TileState& st, int64_t kb, const KeyOffsets& off, const f
 // consecutive floats; a block size W does not divide goes through a K^T copy), its softmax row
 // by row. Only the keys some row sees are worked on: the tile's [j0, j1) (a decode's last key
 // tile is mostly past its last key); the others' scores are masked, their P never read.
-void attend_keys(const TileState& st, int64_t kb, const KeyOffsets& off, const float** v_rows) {
+template <typename CacheT>
+void attend_keys(const TileState<CacheT>& st, int64_t kb, const KeyOffsets& off, const CacheT** v_rows) {
   const int64_t d_len = st.d_len, rows = st.rows, block_size = st.s.block_size;
   const int64_t j0 = st.first > kb ? st.first - kb : 0;
   const int64_t j1 = st.last + 1 - kb < BK ? st.last + 1 - kb : BK;
   const bool in_place = block_size % W == 0;  // a register's keys then lie in one block, in order
-  const float* k_rows[BK];  // read only by the K^T copy
+  const CacheT* k_rows[BK];  // read only by the K^T copy
   tile_rows(st, kb, off, in_place ? nullptr : k_rows, v_rows, j0, j1);
   // A decode reads each K/V element once: memory bounds it, and prefetches spread over the work
   // keep it busy. The next key tile's K and V chunks go ahead beside P . V (those beside keys
   // outside [j0, j1) here). Null: there is no next tile.
-  const float* next_chunks[2 * BK];
-  const float* const* next = kb + BK <= st.last ? next_chunks : nullptr;
+  const CacheT* next_chunks[2 * BK];
+  const CacheT* const* next = kb + BK <= st.last ? next_chunks : nullptr;
   if (next != nullptr) {
     for (int64_t j = 0; j < BK; ++j) {
       const int64_t p = kb + BK + j;
@@ -505,28 +528,32 @@ void attend_keys(const TileState& st, int64_t kb, const KeyOffsets& off, const f
     // masked to -inf below whatever they hold, so they need not be computed: the bits are the same)
     const int64_t c0 = jb0 < j0 ? (j0 - jb0) / W : 0;
     const int64_t c1 = jb0 + KB > j1 ? (j1 - jb0 + W - 1) / W : KV;
-    const float* kt[KV];
-    int64_t kt_stride = block_size;
-    if (in_place) {
-      // register c: keys jb0 + c W .. + W - 1 from the first one's element d on (the first is
-      // at or before a seen key, so its offset is set; unseen keys' lanes are masked)
-      for (int64_t c = c0; c < c1; ++c) kt[c - c0] = st.k_cache + off.k[jb0 + c * W];
-    } else {
-      for (int64_t jb = jb0 + c0 * W; jb < jb0 + c1 * W; ++jb) {
-        const bool seen = jb >= j0 && jb < j1;
-        for (int64_t d = 0; d < d_len; ++d) st.kt[d * KB + jb - jb0] = seen ? k_rows[jb][d * block_size] : 0.0f;
-      }
-      for (int64_t c = c0; c < c1; ++c) kt[c - c0] = st.kt + c * W;
-      kt_stride = KB;
-    }
     // probs[r][j] = Q'[r] . K[j]: KR rows x the block's seen registers of keys
     float* scores = st.probs + jb0 + c0 * W;
     static_assert(KV == 2 || KV == 4, "a score block is up to two or four registers of keys");
-    switch (c1 - c0) {
-      case 1: key_scores<1>(kt, kt_stride, q_rows, rows, d_len, scores); break;
-      case 2: key_scores<2>(kt, kt_stride, q_rows, rows, d_len, scores); break;
-      case 3: if constexpr (KV == 4) key_scores<3>(kt, kt_stride, q_rows, rows, d_len, scores); break;
-      default: if constexpr (KV == 4) key_scores<4>(kt, kt_stride, q_rows, rows, d_len, scores); break;
+    auto score_block = [&](const auto* const* kt, int64_t kt_stride) {
+      switch (c1 - c0) {
+        case 1: key_scores<1>(kt, kt_stride, q_rows, rows, d_len, scores); break;
+        case 2: key_scores<2>(kt, kt_stride, q_rows, rows, d_len, scores); break;
+        case 3: if constexpr (KV == 4) key_scores<3>(kt, kt_stride, q_rows, rows, d_len, scores); break;
+        default: if constexpr (KV == 4) key_scores<4>(kt, kt_stride, q_rows, rows, d_len, scores); break;
+      }
+    };
+    if (in_place) {
+      // register c: keys jb0 + c W .. + W - 1 from the first one's element d on (the first is
+      // at or before a seen key, so its offset is set; unseen keys' lanes are masked)
+      const CacheT* kt[KV];
+      for (int64_t c = c0; c < c1; ++c) kt[c - c0] = st.k_cache + off.k[jb0 + c * W];
+      score_block(kt, block_size);
+    } else {
+      for (int64_t jb = jb0 + c0 * W; jb < jb0 + c1 * W; ++jb) {
+        const bool seen = jb >= j0 && jb < j1;
+        for (int64_t d = 0; d < d_len; ++d)
+          st.kt[d * KB + jb - jb0] = seen ? to_float(k_rows[jb][d * block_size]) : 0.0f;
+      }
+      const float* kt[KV];
+      for (int64_t c = c0; c < c1; ++c) kt[c - c0] = st.kt + c * W;
+      score_block(kt, KB);
     }
   }
   // mask by position, then the online-softmax update, over the registers of seen keys
@@ -591,7 +618,8 @@ inline void write_row(const float* o, float sum, float* dst, int64_t d_len) {
 }
 
 // The tile's partition state folded, then reset for the next partition.
-void end_partition(const TileState& st) {
+template <typename CacheT>
+void end_partition(const TileState<CacheT>& st) {
   for (int64_t r = 0; r < st.rows; ++r)
     fold_row(st.row_max[r], st.row_sum[r], st.acc + r * st.d_len, st.folded_max + r, st.folded_sum + r,
              st.folded_acc + r * st.d_len, st.d_len);
@@ -605,8 +633,9 @@ void end_partition(const TileState& st) {
 // Flash-attention style: the tile's rows (query token i, head g -> row i * G + g) walk the
 // sequence's keys in tiles of BK absolute positions, an online softmax in fp32 per partition of
 // PK absolute positions, the partitions folded in order (see the invariant in fused_kernels.h).
+template <typename CacheT>
 void attention_tile(const AttentionShape& s, const AttentionTile& t, const float* q, int64_t ldq,
-                    const float* k_cache, const float* v_cache, float* out, int64_t ldo, float* scratch) {
+                    const CacheT* k_cache, const CacheT* v_cache, float* out, int64_t ldo, float* scratch) {
   const int64_t d_len = s.head_dim, group = s.group, rows = t.num_q * group, rows_pad = padded_rows(rows);
   const bool keys_across = rows <= kKeyLaneRows;
   // keys visited: the tile's key range within the rows' causal (and windowed) reach
@@ -626,8 +655,8 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
   float* kt = probs + BK * rows_pad;
   int32_t* lo = reinterpret_cast<int32_t*>(kt + d_len * KB);
   int32_t* hi = lo + rows_pad;
-  float* zeros = reinterpret_cast<float*>(hi + rows_pad);
-  const TileState st{s,          t,          k_cache, v_cache, d_len, group, rows, rows_pad, first,
+  CacheT* zeros = reinterpret_cast<CacheT*>(hi + rows_pad);
+  const TileState<CacheT> st{s,          t,          k_cache, v_cache, d_len, group, rows, rows_pad, first,
                      last,       acc,        row_max, row_sum, alpha, folded_acc, folded_max,
                      folded_sum, q_buf,      probs,   kt,      lo,    hi,    zeros};
 
@@ -655,9 +684,9 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
   }
   for (int64_t x = 0; x < rows * d_len; ++x) acc[x] = 0.0f;
   if (!keys_across)
-    for (int64_t x = 0; x < d_len * s.block_size; ++x) zeros[x] = 0.0f;
+    for (int64_t x = 0; x < d_len * s.block_size; ++x) zeros[x] = CacheT{};
 
-  const float* v_rows[BK];
+  const CacheT* v_rows[BK];
   // Where this key tile's keys and the next's sit (the next's carried over to the following
   // tile): one block-table read per block, no division per key.
   KeyOffsets off;
@@ -708,6 +737,17 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
       write_row(folded_acc + r * d_len, folded_sum[r], dst + g * d_len, d_len);
     }
   }
+}
+
+// The table's entry: the caches' element type from the shape.
+void attention_tile_any(const AttentionShape& s, const AttentionTile& t, const float* q, int64_t ldq,
+                        const void* k_cache, const void* v_cache, float* out, int64_t ldo, float* scratch) {
+  if (s.kv_bf16)
+    attention_tile(s, t, q, ldq, static_cast<const Bf16*>(k_cache), static_cast<const Bf16*>(v_cache), out, ldo,
+                   scratch);
+  else
+    attention_tile(s, t, q, ldq, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), out, ldo,
+                   scratch);
 }
 
 void attention_combine(const AttentionShape& s, const AttentionTile& t, const float* partials, int64_t num_parts,
@@ -779,7 +819,7 @@ float fma_loop(int64_t rounds) {
   return hsum(sum);
 }
 
-const DecoderKernels kTable = {BF_NAME,  W,        attention_scratch, attention_tile, attention_combine,
+const DecoderKernels kTable = {BF_NAME,  W,        attention_scratch, attention_tile_any, attention_combine,
                                rms_norm, silu_mul, argmax,            fma_loop,       kFmaChains};
 
 }  // namespace
