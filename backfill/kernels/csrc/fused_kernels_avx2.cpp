@@ -11,6 +11,14 @@ typedef int32_t vi __attribute__((vector_size(32)));
 inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 inline vf splat(float s) { return (vf)_mm256_set1_ps(s); }
 inline vf rcp_estimate(vf d) { return (vf)_mm256_rcp_ps((__m256)d); }  // 12+ bits
+// 8 bf16 bit patterns as fp32s (each the high half of its lane): the 16 bytes in both 128-bit
+// lanes (a load), then one byte shuffle (words 0-3 to lane 0, 4-7 to lane 1, low halves zeroed).
+inline vf load_bf16(const uint16_t* p) {
+  const __m256i words = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i index = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7,  //
+                                         -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15);
+  return (vf)_mm256_shuffle_epi8(words, index);
+}
 }  // namespace
 }  // namespace backfill
 

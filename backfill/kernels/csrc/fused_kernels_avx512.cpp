@@ -11,6 +11,14 @@ typedef int32_t vi __attribute__((vector_size(64)));
 inline vf fmadd(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 inline vf splat(float s) { return (vf)_mm512_set1_ps(s); }
 inline vf rcp_estimate(vf d) { return (vf)_mm512_rcp14_ps((__m512)d); }  // 12+ bits
+// 16 bf16 bit patterns as fp32s (each the high half of its lane, the low half zero): one word
+// permute with a zeroing mask, where a zero-extension and a shift took two operations.
+inline vf load_bf16(const uint16_t* p) {
+  const __m512i words = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i index = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0, 4, 0,
+                                         3, 0, 2, 0, 1, 0, 0, 0);
+  return (vf)_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, index, words);
+}
 }  // namespace
 }  // namespace backfill
 

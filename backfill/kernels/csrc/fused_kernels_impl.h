@@ -1,9 +1,10 @@
 // The decoder's non-GEMM kernels over a SIMD width W (GCC vector extensions), included once by
 // each ISA translation unit after it defines BF_LANES, BF_TABLE (the table's function name),
-// BF_NAME, the vector types vf / vi (W floats / int32s) and three ISA primitives:
+// BF_NAME, the vector types vf / vi (W floats / int32s) and four ISA primitives:
 // `vf fmadd(vf a, vf b, vf c)` (a * b + c, fused where the ISA has FMA), `vf rcp_estimate(vf d)`
-// (1 / d to 12 bits or better) and `vf splat(float s)` (a broadcast; NOTE: `vf{} + s` costs an add, since
-// 0 + -0 is +0, and a lane-by-lane loop compiles to one masked broadcast per lane).
+// (1 / d to 12 bits or better), `vf splat(float s)` (a broadcast; NOTE: `vf{} + s` costs an add, since
+// 0 + -0 is +0, and a lane-by-lane loop compiles to one masked broadcast per lane) and
+// `vf load_bf16(const uint16_t* p)` (W bf16 bit patterns at p as fp32s, exactly: bits << 16).
 // Everything here has internal linkage, so each unit keeps its own copies (see isa.h).
 // No include guard on purpose: one inclusion per unit.
 
@@ -26,13 +27,9 @@ inline vf load(const float* p) {
   return v;
 }
 inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
-// W bf16 cache elements widened to fp32, exactly: each one's bits become an fp32's high half.
-typedef uint16_t vh __attribute__((vector_size(sizeof(vf) / 2)));
-inline vf load(const Bf16* p) {
-  vh h;
-  __builtin_memcpy(&h, p, sizeof h);
-  return (vf)(__builtin_convertvector(h, vi) << 16);
-}
+// W bf16 cache elements widened to fp32, exactly: each one's bits become an fp32's high half
+// (the ISA's load_bf16).
+inline vf load(const Bf16* p) { return load_bf16(&p->bits); }
 inline float to_float(float x) { return x; }
 inline float to_float(Bf16 x) {
   const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;

@@ -1,6 +1,6 @@
 // Baseline x86-64 (SSE2) build of the decoder kernels (W = 4), for CPUs without AVX2 and for
 // head_dim not a multiple of 8. See fused_kernels_impl.h.
-#include <xmmintrin.h>
+#include <emmintrin.h>
 
 #include <cstdint>
 
@@ -11,6 +11,11 @@ typedef int32_t vi __attribute__((vector_size(16)));
 inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }  // no FMA in the baseline: two roundings
 inline vf splat(float s) { return (vf)_mm_set1_ps(s); }
 inline vf rcp_estimate(vf d) { return (vf)_mm_rcp_ps((__m128)d); }  // 12+ bits
+// 4 bf16 bit patterns as fp32s: interleaved with zero words below them.
+inline vf load_bf16(const uint16_t* p) {
+  const __m128i words = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (vf)_mm_unpacklo_epi16(_mm_setzero_si128(), words);
+}
 }  // namespace
 }  // namespace backfill
 
