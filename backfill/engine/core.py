@@ -47,6 +47,9 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             num_kv_blocks=self.runner.num_kv_blocks,
             scheduling_policy=config.scheduling_policy,
+            block_size=self.runner.block_size,
+            kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         self._prefix_cache_seen = (0, 0)  # the scheduler's (queries, hits) totals at the last step
         self.structured_output = StructuredOutputManager(lambda: load_tokenizer(config.model),

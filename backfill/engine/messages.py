@@ -104,6 +104,9 @@ class CoreInfo(msgspec.Struct, array_like=True, tag=True):
     max_num_seqs: int
     num_kv_blocks: int
     scheduling_policy: str = "fcfs"  # "priority": requests may set a priority
+    block_size: int = 16  # tokens a KV block
+    kv_cache_dtype: str = "float32"  # the KV cache's elements (resolved: never "auto")
+    enable_prefix_caching: bool = True
 
 
 class CoreFailed(msgspec.Struct, array_like=True, tag=True):

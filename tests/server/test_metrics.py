@@ -47,6 +47,15 @@ def test_series_exist_before_traffic() -> None:
     assert samples['backfill:request_success_total{finished_reason="stop"}'] == 0
 
 
+def test_cache_config_info_labels_the_kv_cache() -> None:
+    config = {"block_size": 16, "cache_dtype": "float32", "num_gpu_blocks": 512, "enable_prefix_caching": True}
+    samples = _samples(ServerMetrics("m", 4, cache_config=config), CoreLoad())
+    key = ('backfill:cache_config_info{block_size="16",cache_dtype="float32",enable_prefix_caching="True",'
+           'num_gpu_blocks="512"}')
+    assert samples[key] == 1
+    assert not any("cache_config" in k for k in _samples(ServerMetrics("m", 4), CoreLoad()))
+
+
 def test_one_request_through_three_steps() -> None:
     metrics = ServerMetrics("m", 4)
     metrics.on_step([_output([7], 1, None, first=1.0, last=1.0)], _stats(useful=1, idle=0))

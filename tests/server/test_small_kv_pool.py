@@ -1,5 +1,6 @@
 """A KV pool smaller than the model's context: the server's context length is what the pool
-holds, so a request that could never fit is a 400, and one without max_tokens is served."""
+holds, so a request that could never fit is a 400, and one without max_tokens is served. The
+pool holds bf16 K/V (`--kv-cache-dtype bfloat16`), which /metrics reports."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ CAPACITY = NUM_BLOCKS * 16
 
 @pytest.fixture(scope="module")
 def server() -> ServerProcess:
-    server = start_server("--num-kv-blocks", str(NUM_BLOCKS), "--max-num-seqs", "4")
+    server = start_server("--num-kv-blocks", str(NUM_BLOCKS), "--max-num-seqs", "4", "--kv-cache-dtype", "bfloat16")
     yield server
     server.stop()
 
@@ -27,6 +28,13 @@ def test_the_context_length_is_what_the_pool_holds(server: ServerProcess) -> Non
     card = httpx.get(server.v1 + "/models", timeout=30).json()["data"][0]
     assert card["max_model_len"] == CAPACITY
     assert "max_model_len lowered from 8192 to 384 tokens" in server.log()
+
+
+def test_metrics_report_the_cache_configuration(server: ServerProcess) -> None:
+    samples = server.metrics()
+    key = ('backfill:cache_config_info{block_size="16",cache_dtype="bfloat16",enable_prefix_caching="True",'
+           f'num_gpu_blocks="{NUM_BLOCKS}"}}')
+    assert samples[key] == 1, [k for k in samples if "cache_config" in k]
 
 
 def test_a_request_without_max_tokens_is_served_within_the_pool(server: ServerProcess) -> None:

@@ -229,7 +229,9 @@ def build_app(core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer, *, served
     the dashboard's tokens. `max_stored_responses`: the Responses API's store (0: none).
     """
     name = served_model_name or info.model_name
-    metrics = ServerMetrics(name, info.max_num_seqs)
+    metrics = ServerMetrics(name, info.max_num_seqs, cache_config={
+        "block_size": info.block_size, "cache_dtype": info.kv_cache_dtype, "num_gpu_blocks": info.num_kv_blocks,
+        "enable_prefix_caching": info.enable_prefix_caching})
     live_stats = LiveStats(name, info.max_num_seqs, price_per_hour)
     async_engine = AsyncEngine(core, info, tokenizer, max_queue=max_queue, observers=(metrics, live_stats))
     serving = OpenAIServing(async_engine, tokenizer, name, info.max_model_len, info.vocab_size,

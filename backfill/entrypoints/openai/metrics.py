@@ -35,7 +35,7 @@ class ServerMetrics:
     `on_abort` with aborted request ids; call `render(stats)` to scrape.
     """
 
-    def __init__(self, model_name: str, max_num_seqs: int) -> None:
+    def __init__(self, model_name: str, max_num_seqs: int, cache_config: dict[str, object] | None = None) -> None:
         # NOTE: process-wide; the `*_created` series only double the scrape (vLLM drops them too).
         disable_created_metrics()
         self.registry = CollectorRegistry()
@@ -93,6 +93,12 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
         self.queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        if cache_config is not None:
+            # vLLM's info gauge: the KV cache's set-up as labels, value 1 (num_gpu_blocks: vLLM's
+            # name for the engine's KV blocks, on any device)
+            info = Gauge(PREFIX + "cache_config_info", "Information of the KV cache's configuration.",
+                         sorted(cache_config), registry=self.registry)
+            info.labels(**{k: str(v) for k, v in cache_config.items()}).set(1)
         self._last_token_time: dict[str, float] = {}  # request id -> last token time seen
         self._num_preemptions_seen = 0
 
