@@ -19,7 +19,7 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # "int8" / "fp16" store the matrices weight-only in Q8_0 blocks / fp16.
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "fp16")
 ACTIVATION_QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16")
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16")
 # Per device: units of prompt work a step may add while other requests decode (see
 # EngineConfig.prefill_budget). On a CPU a step's cost grows linearly with its tokens: a decode
 # step of 8 streams costs ~9 token-units there, so 16 more keep a chunked step within ~3x of a
@@ -74,8 +74,9 @@ class EngineConfig:
     # measures what it changes).
     activation_quantization: str = "none"
     # The KV cache's element type: "auto" is the activations' (`dtype`); opt-in, not exact on the
-    # CPU kernels (fp32 activations): "bfloat16" stores K and V rounded to bf16, half the bytes
-    # (twice the tokens in the same memory, half of a long context's attention reads).
+    # CPU kernels (fp32 activations): "bfloat16" / "float16" store K and V rounded to 16 bits, half
+    # the bytes (twice the tokens in the same memory, half of a long context's attention reads);
+    # float16 keeps 3 more significand bits, and clamps values past +-65,504.
     kv_cache_dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0  # seeds the unseeded sampling stream, so a whole run is reproducible
@@ -144,8 +145,9 @@ class EngineConfig:
             help="none (fp32 activations: exact); int8: the 4-bit linears' inputs quantized per 32 values "
                  "(faster on CPU, not exact: see `backfill bench divergence`)")
         add("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
-            help="KV cache elements; auto: the activations' dtype (exact); bfloat16: K and V rounded to "
-                 "bf16 on the CPU kernels (half the KV memory and attention reads, not exact)")
+            help="KV cache elements; auto: the activations' dtype (exact); bfloat16 / float16: K and V "
+                 "rounded to 16 bits on the CPU kernels (half the KV memory and attention reads, not exact; "
+                 "float16 is closer, and clamps past +-65504)")
         add("--device", help="cpu or cuda[:N]")
         add("--seed", type=int, help="seeds the sampling of requests without a seed of their own")
         add("--num-threads", type=int, help="torch CPU threads (default: torch's choice)")

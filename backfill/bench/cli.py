@@ -175,9 +175,10 @@ def add_bench_subparser(subparsers: Any) -> None:
     _add_engine_arguments(roofline, exclude=("policy", "static_padding", "max_num_seqs", "prefill_budget"))
 
     divergence = commands.add_parser(
-        "divergence", help="what --activation-quantization int8 or --kv-cache-dtype bfloat16 changes: greedy "
+        "divergence", help="what --activation-quantization int8 or a 16-bit --kv-cache-dtype changes: greedy "
                            "agreement and logit error vs the exact fp32 path")
-    divergence.add_argument("--variant", choices=("int8-activations", "bf16-kv-cache"), default="int8-activations",
+    divergence.add_argument("--variant", choices=("int8-activations", "bf16-kv-cache", "fp16-kv-cache"),
+                            default="int8-activations",
                             help="the opt-in path measured against the exact one")
     divergence.add_argument("--num-prompts", type=int, default=32)
     divergence.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")

@@ -1,8 +1,9 @@
 """What an opt-in, inexact variant of the CPU kernels changes against the exact fp32 path (the
 default, parity-tested against transformers' fp32 model): int8 activations
-(`--activation-quantization int8`, csrc/q8.h) or a bf16 KV cache (`--kv-cache-dtype bfloat16`):
+(`--activation-quantization int8`, csrc/q8.h) or a 16-bit KV cache (`--kv-cache-dtype
+bfloat16|float16`):
 
-    backfill bench divergence [--variant int8-activations|bf16-kv-cache] [--num-prompts 32]
+    backfill bench divergence [--variant int8-activations|bf16-kv-cache|fp16-kv-cache] [--num-prompts 32]
                               [--max-tokens 64] [--seed 0] [--model M]
 
 - Greedy agreement: every prompt generated greedily by two engines, one per mode; the share of
@@ -34,8 +35,10 @@ from backfill.sampling_params import SamplingParams
 VARIANTS: dict[str, dict[str, str]] = {
     "int8-activations": {"activation_quantization": "int8"},
     "bf16-kv-cache": {"kv_cache_dtype": "bfloat16"},
+    "fp16-kv-cache": {"kv_cache_dtype": "float16"},
 }
-_TITLES = {"int8-activations": "int8 activations", "bf16-kv-cache": "a bf16 KV cache"}
+_TITLES = {"int8-activations": "int8 activations", "bf16-kv-cache": "a bf16 KV cache",
+           "fp16-kv-cache": "an fp16 KV cache"}
 _EXACT = {"activation_quantization": "none", "kv_cache_dtype": "auto"}
 
 

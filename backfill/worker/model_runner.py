@@ -144,7 +144,7 @@ class ModelRunner:
         return attention / (2 * linear)
 
     def _kv_cache_dtype(self) -> torch.dtype:
-        """The KV cache's element type: the activations' ("auto"), or bf16 where the CPU kernels
+        """The KV cache's element type: the activations' ("auto"), or a 16-bit one where the CPU kernels
         read it (they widen each element to fp32; the plain-PyTorch model has no such path)."""
         if self.config.kv_cache_dtype == "auto":
             return self.dtype

@@ -1,5 +1,6 @@
-"""`kv_cache_dtype="bfloat16"` on the real default model through the engine: opt-in, off by
-default, half the KV bytes a token, batch invariant, refused where the CPU kernels do not run it."""
+"""`kv_cache_dtype="bfloat16"` / `"float16"` on the real default model through the engine: opt-in,
+off by default, half the KV bytes a token, batch invariant, refused where the CPU kernels do not
+run it."""
 
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ def test_off_by_default_and_checked() -> None:
         LLM(kv_cache_dtype="bfloat16", quantization="none", dtype="float32", max_model_len=64)
 
 
-def test_bf16_cache_engine_is_batch_invariant_and_half_the_bytes() -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+def test_16bit_cache_engine_is_batch_invariant_and_half_the_bytes(kv_cache_dtype: str) -> None:
+    dtype = getattr(torch, kv_cache_dtype)
     exact = LLM(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, seed=0)
-    llm = LLM(kv_cache_dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, seed=0)
+    llm = LLM(kv_cache_dtype=kv_cache_dtype, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, seed=0)
     runner, exact_runner = llm.engine.runner, exact.engine.runner
-    assert runner.kv_dtype == torch.bfloat16 and exact_runner.kv_dtype == torch.float32
-    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in runner.kv_caches)
+    assert runner.kv_dtype == dtype and exact_runner.kv_dtype == torch.float32
+    assert all(k.dtype == v.dtype == dtype for k, v in runner.kv_caches)
     assert 2 * runner.kv_bytes_per_token == exact_runner.kv_bytes_per_token
     prompts = make_prompts(6, seed=3)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -70,26 +70,65 @@ def test_wide_heads_match_naive(case: str, num_heads: int, num_kv_heads: int, he
     torch.testing.assert_close(fused(q, k_cache, v_cache, meta), expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (8, 2, 16, 5), (6, 2, 24, 16), (4, 1, 12, 7), (8, 2, 128, 16)],
 )
-def test_bf16_caches_read_as_their_fp32_values(case: str, num_heads: int, num_kv_heads: int, head_dim: int,
-                                               block_size: int, window: int | None) -> None:
-    """bf16 caches (kv_cache_dtype="bfloat16") give the bits fp32 caches holding the same rounded
+def test_16bit_caches_read_as_their_fp32_values(case: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                                                block_size: int, window: int | None, dtype: torch.dtype) -> None:
+    """bf16 / fp16 caches (kv_cache_dtype) give the bits fp32 caches holding the same rounded
     values give, in every layout (decodes, chunks, a block size the SIMD width does not divide)
     and SIMD variant: the kernels widen each element exactly, nothing else changes."""
     q, k_cache, v_cache, meta = random_step(case, num_heads, num_kv_heads, head_dim, block_size, window)
-    k16, v16 = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)  # [blocks, bs, Hkv, D]
+    k16, v16 = k_cache.to(dtype), v_cache.to(dtype)  # [blocks, bs, Hkv, D]
     expected = fused(q, k16.float(), v16.float(), meta, window)  # [T, H, D]
     assert torch.equal(fused(q, k16, v16, meta, window), expected)
 
 
+def test_fp16_widening_is_exact_for_every_half() -> None:
+    """Every one of the 65,536 halves (normals, subnormals, zeros, infinities, NaNs) read from an
+    fp16 V cache as torch widens it: one key of weight 1, so the output row is its V row."""
+    check_fp16_widening()
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_fp16_widening_lower_isa(isa: str) -> None:
+    """The same on the AVX2 kernels and on the baseline's (no F16C: a conversion of its own)."""
+    code = ("from tests.kernels.test_attention_cpu import check_fp16_widening; check_fp16_widening(); "
+            "from backfill import kernels; print(kernels.extension().isa())")
+    assert run_under_isa(isa, code, timeout=300) == isa
+
+
+def check_fp16_widening() -> None:
+    from backfill.model.attention import build_attention_metadata
+
+    head_dim, block_size = 64, 16
+    halves = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)  # every bit pattern
+    num_blocks = halves.numel() // (head_dim * block_size)  # one V row per key, each key its own sequence
+    v = halves.view(num_blocks, 1, block_size, head_dim)  # [blocks, Hkv, bs, D]
+    k = torch.zeros(num_blocks, 1, head_dim, block_size, dtype=torch.float16)  # scores all 0
+    num_seqs = num_blocks * block_size
+    # sequence s: one key, at block s // bs, slot s % bs (a table whose first block is that one,
+    # its first slot s % bs keys ahead: a window of 1 sees only the last key)
+    tables = [[s // block_size] for s in range(num_seqs)]
+    lens = [s % block_size + 1 for s in range(num_seqs)]
+    _, meta = build_attention_metadata([n - 1 for n in lens], [1] * num_seqs, tables, block_size,
+                                       torch.device("cpu"))
+    q = torch.zeros(num_seqs, 1, head_dim)
+    out = kernels.extension().paged_attention(q, k, v, meta.block_tables, meta.seq_lens, meta.query_start, 1.0, 1)
+    expected = v.float().reshape(num_seqs, 1, head_dim)  # [S, 1, D]
+    got = out.reshape(num_seqs, 1, head_dim)
+    nan = expected.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan], expected[~nan] + 0.0)  # (-0 rows come out +0: see write_row)
+
+
 def test_rejects_mixed_cache_dtypes() -> None:
     q, k_cache, v_cache, meta = random_step("decode_only", 4, 2, 16, 16)
-    with pytest.raises(RuntimeError, match="both fp32 or both bf16"):
+    with pytest.raises(RuntimeError, match="both fp32, both bf16 or both fp16"):
         fused(q, k_cache.to(torch.bfloat16), v_cache, meta)
 
 

@@ -336,17 +336,18 @@ def test_decode_from_lists_matches_forward(name: str) -> None:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", ["gqa2_hd16", "sliding_window", "qwen2_bias_hd64"])
-def test_bf16_kv_caches(name: str) -> None:
-    """kv_cache_dtype="bfloat16": the decoder writes K and V rounded to nearest even (layer 0's,
-    whose inputs are the same in both runs, equal the fp32 run's .to(torch.bfloat16) bit for
-    bit), decode() over bf16 caches gives forward's logits and caches bit for bit, and the
+def test_16bit_kv_caches(name: str, dtype: torch.dtype) -> None:
+    """kv_cache_dtype="bfloat16" / "float16": the decoder writes K and V rounded to nearest even
+    (layer 0's, whose inputs are the same in both runs, equal the fp32 run's .to(dtype) bit for
+    bit), decode() over 16-bit caches gives forward's logits and caches bit for bit, and the
     logits stay near the fp32 ones (the rounding is the only change)."""
     model = tiny_model(name)
     decoders = [CpuDecoder.from_dense(model) for _ in range(3)]
     drivers = [PagedDriver(d, num_blocks=64, block_size=8, seed=5) for d in decoders]
     for driver in drivers[1:]:  # [1]: decode(), [2]: forward, both over bf16 caches
-        driver.kv_caches = driver.model.make_kv_caches(64, 8, torch.bfloat16)
+        driver.kv_caches = driver.model.make_kv_caches(64, 8, dtype)
     prompts = [(r, torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(n)).tolist())
                for r, n in [("a", 13), ("b", 1), ("c", 30)]]
     exact = drivers[0].step(prompts)
@@ -357,8 +358,8 @@ def test_bf16_kv_caches(name: str) -> None:
         batch = [(r, int(torch.randint(0, 101, (1,), generator=gen))) for r in ["a", "b", "c"][step % 2:]]
         fk, fv = drivers[0].kv_caches[0]
         bk, bv = drivers[2].kv_caches[0]
-        assert bk.dtype == torch.bfloat16 and torch.equal(bk, fk.to(torch.bfloat16)), f"step {step}: layer 0 K"
-        assert torch.equal(bv, fv.to(torch.bfloat16)), f"step {step}: layer 0 V"
+        assert bk.dtype == dtype and torch.equal(bk, fk.to(dtype)), f"step {step}: layer 0 K"
+        assert torch.equal(bv, fv.to(dtype)), f"step {step}: layer 0 V"
         scale = float(exact.abs().max())
         assert float((approx - exact).abs().max()) < 0.05 * scale, f"step {step}"
         exact = drivers[0].step([(r, [t]) for r, t in batch])
@@ -367,6 +368,21 @@ def test_bf16_kv_caches(name: str) -> None:
         assert logits is not None and torch.equal(logits, approx), f"step {step}: decode() differs from forward"
         for (k, v), (tk, tv) in zip(drivers[1].kv_caches, drivers[2].kv_caches):
             assert torch.equal(k, tk) and torch.equal(v, tv), f"step {step}: KV caches differ"
+
+
+def test_fp16_kv_cache_clamps_what_a_half_cannot_hold() -> None:
+    """K and V past fp16's range are written as +-65,504 (the largest finite half), not as
+    infinities that would turn attention into NaNs."""
+    model = tiny_model("gqa2_hd16")
+    q_size = model.config.num_heads * model.config.head_dim
+    model.layers[0].self_attn.qkv_proj.weight[q_size:] *= 1e6  # layer 0's K and V rows
+    decoder = CpuDecoder.from_dense(model)
+    driver = PagedDriver(decoder, num_blocks=8, block_size=8, seed=1)
+    driver.kv_caches = decoder.make_kv_caches(8, 8, torch.float16)
+    logits = driver.step([("a", [5, 17, 3, 88, 41, 9])])
+    k, v = driver.kv_caches[0]
+    assert float(k.abs().max()) == 65504.0 and float(v.abs().max()) == 65504.0
+    assert torch.isfinite(k).all() and torch.isfinite(v).all() and torch.isfinite(logits).all()
 
 
 def test_decode_refuses_bad_lists_and_the_next_step_runs() -> None:

@@ -58,7 +58,7 @@ struct AttentionPlan {
 
   void build(const StepMeta& meta, const AttentionShape& shape, int64_t num_blocks);
   // out[t, h, :] for every token t and query head h (q, out: [T, H * D] rows of stride ldq, ldo).
-  // The caches' elements: float, or Bf16 where shape.kv_bf16. `team` (optional): run by every
+  // The caches' elements as shape.kv_element says. `team` (optional): run by every
   // thread of a team, each a worker; returns without a final barrier (the caller syncs before
   // reading out).
   void run(const DecoderKernels& kernels, const AttentionShape& shape, const float* q, int64_t ldq,

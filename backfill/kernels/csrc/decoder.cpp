@@ -20,13 +20,16 @@
 // thread's output.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "attention_cpu.h"
@@ -42,6 +45,23 @@ using Clock = std::chrono::steady_clock;
 // (packed uint8 tensor from repack(), ggml type id, rows, cols)
 using SegmentArg = std::tuple<torch::Tensor, int64_t, int64_t, int64_t>;
 using KVCache = std::tuple<torch::Tensor, torch::Tensor>;
+
+// A KV cache tensor's element type as the attention kernels name it (none: not one they read).
+std::optional<KvElement> kv_element_of(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return KvElement::kF32;
+    case torch::kBFloat16: return KvElement::kBf16;
+    case torch::kHalf: return KvElement::kF16;
+    default: return std::nullopt;
+  }
+}
+
+// A value as a cache element (see rope_and_write_kv).
+template <typename CacheT>
+CacheT to_cache(float x) {
+  if constexpr (std::is_same_v<CacheT, c10::Half>) return c10::Half(std::clamp(x, -65504.0f, 65504.0f));
+  else return static_cast<CacheT>(x);
+}
 
 const float* fp32_data(const torch::Tensor& t, int64_t numel, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == numel,
@@ -407,7 +427,7 @@ class FusedDecoder {
   }
 
   // Every KV cache shaped as the decoder needs (K [num_blocks, Hkv, D, bs], V [num_blocks, Hkv,
-  // bs, D], contiguous fp32 or bf16 on the CPU, all of one dtype), one pair per layer.
+  // bs, D], contiguous fp32, bf16 or fp16 on the CPU, all of one dtype), one pair per layer.
   void check_kv_caches(const std::vector<KVCache>& kv_caches) const {
     TORCH_CHECK(!layers_.empty(), "decoder weights are incomplete");
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one (k_cache, v_cache) pair per layer");
@@ -422,9 +442,9 @@ class FusedDecoder {
                   "every K cache must be shaped like the first, every V cache [num_blocks, num_kv_heads, "
                   "block_size, head_dim]");
       for (const torch::Tensor& c : {k, v})
-        TORCH_CHECK((c.scalar_type() == torch::kFloat32 || c.scalar_type() == torch::kBFloat16) &&
-                        c.scalar_type() == k0.scalar_type() && c.is_contiguous() && c.device().is_cpu(),
-                    "every KV cache must be a contiguous CPU tensor, all fp32 or all bf16");
+        TORCH_CHECK(kv_element_of(c) && c.scalar_type() == k0.scalar_type() && c.is_contiguous() &&
+                        c.device().is_cpu(),
+                    "every KV cache must be a contiguous CPU tensor, all fp32, all bf16 or all fp16");
     }
   }
 
@@ -453,7 +473,7 @@ class FusedDecoder {
     const int64_t window = in.window;
     const AttentionShape shape{num_kv_heads_, head_dim_, num_heads_ / num_kv_heads_, block_size,
                                1.0f / std::sqrt(static_cast<float>(head_dim_)), window > 0 ? window : 0,
-                               k0.scalar_type() == torch::kBFloat16};
+                               *kv_element_of(k0)};
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const int64_t qkv_cols = q_size + 2 * kv_size;
     const int64_t num_shards = plan_shards(meta);
@@ -707,17 +727,23 @@ class FusedDecoder {
   // Rotate-half RoPE of q and k in place, x * cos + roll(x, D/2) * signed_sin (two roundings
   // per term, as apply_rope), then k and v of each token into its cache slot: per KV head, k
   // as column slot % block_size of the K panel [D, block_size], v as row slot % block_size of
-  // the V panel [block_size, D] (see AttentionShape). bf16 caches get each value rounded to
-  // nearest even (c10::BFloat16's rounding, as torch's .to(torch.bfloat16)).
+  // the V panel [block_size, D] (see AttentionShape). 16-bit caches get each value rounded to
+  // nearest even (c10::BFloat16's / c10::Half's rounding, as torch's .to()); fp16 ones clamped
+  // to +-65,504 first, so that a large K or V is its largest finite half, not an infinity.
   void rope_and_write_kv(float* qkv, int64_t ld, const int64_t* positions, const float* cos, const float* sin,
                          const int64_t* slots, int64_t num_tokens, const AttentionShape& shape, void* k_cache,
                          void* v_cache, const Team* team) const {
-    if (shape.kv_bf16)
-      rope_and_write_kv(qkv, ld, positions, cos, sin, slots, num_tokens, shape.block_size,
-                        static_cast<c10::BFloat16*>(k_cache), static_cast<c10::BFloat16*>(v_cache), team);
-    else
-      rope_and_write_kv(qkv, ld, positions, cos, sin, slots, num_tokens, shape.block_size,
-                        static_cast<float*>(k_cache), static_cast<float*>(v_cache), team);
+    switch (shape.kv_element) {
+      case KvElement::kBf16:
+        return rope_and_write_kv(qkv, ld, positions, cos, sin, slots, num_tokens, shape.block_size,
+                                 static_cast<c10::BFloat16*>(k_cache), static_cast<c10::BFloat16*>(v_cache), team);
+      case KvElement::kF16:
+        return rope_and_write_kv(qkv, ld, positions, cos, sin, slots, num_tokens, shape.block_size,
+                                 static_cast<c10::Half*>(k_cache), static_cast<c10::Half*>(v_cache), team);
+      case KvElement::kF32: break;
+    }
+    rope_and_write_kv(qkv, ld, positions, cos, sin, slots, num_tokens, shape.block_size, static_cast<float*>(k_cache),
+                      static_cast<float*>(v_cache), team);
   }
   template <typename CacheT>
   void rope_and_write_kv(float* qkv, int64_t ld, const int64_t* positions, const float* cos, const float* sin,
@@ -745,8 +771,8 @@ class FusedDecoder {
         for (int64_t h = 0; h < num_kv_heads_; ++h) {
           CacheT* k_panel = k_cache + (block * num_kv_heads_ + h) * panel + in_block;
           CacheT* v_row = v_cache + (block * num_kv_heads_ + h) * panel + in_block * d_len;
-          for (int64_t d = 0; d < d_len; ++d) k_panel[d * block_size] = static_cast<CacheT>(k[h * d_len + d]);
-          for (int64_t d = 0; d < d_len; ++d) v_row[d] = static_cast<CacheT>(v[h * d_len + d]);
+          for (int64_t d = 0; d < d_len; ++d) k_panel[d * block_size] = to_cache<CacheT>(k[h * d_len + d]);
+          for (int64_t d = 0; d < d_len; ++d) v_row[d] = to_cache<CacheT>(v[h * d_len + d]);
         }
       }
     });
@@ -779,7 +805,7 @@ class FusedDecoder {
 };
 
 // Standalone paged attention (tests, benchmarks): q [T, H, D] -> out [T, H, D], the caches
-// (K [blocks, Hkv, D, bs], V [blocks, Hkv, bs, D]: see AttentionShape; both fp32 or both bf16)
+// (K [blocks, Hkv, D, bs], V [blocks, Hkv, bs, D]: see AttentionShape; both of one dtype: fp32, bf16 or fp16)
 // already holding this step's K/V. Same kernels and tiling as the decoder step.
 torch::Tensor paged_attention_cpu(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
@@ -793,16 +819,16 @@ torch::Tensor paged_attention_cpu(const torch::Tensor& q, const torch::Tensor& k
               "caches must be K [num_blocks, num_kv_heads, head_dim, block_size] and V [num_blocks, num_kv_heads, "
               "block_size, head_dim] for q [T, H, head_dim]");
   fp32_data(q, q.numel(), "q");
-  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
+  const std::optional<KvElement> element = kv_element_of(k_cache);
   for (const torch::Tensor& c : {k_cache, v_cache})
-    TORCH_CHECK(c.device().is_cpu() && c.is_contiguous() && c.scalar_type() == (bf16 ? torch::kBFloat16 : torch::kFloat32),
-                "the caches must be contiguous CPU tensors, both fp32 or both bf16");
+    TORCH_CHECK(element && c.device().is_cpu() && c.is_contiguous() && c.scalar_type() == k_cache.scalar_type(),
+                "the caches must be contiguous CPU tensors, both fp32, both bf16 or both fp16");
   const StepMeta meta{num_tokens, seq_lens.numel(), int64_data(query_start, "query_start"),
                       int64_data(seq_lens, "seq_lens"), int64_data(block_tables, "block_tables"),
                       block_tables.size(1)};
   TORCH_CHECK(query_start.numel() == meta.num_seqs + 1 && block_tables.size(0) == meta.num_seqs, "bad metadata");
   const AttentionShape shape{num_kv_heads, head_dim, num_heads / num_kv_heads, block_size,
-                             static_cast<float>(scale), window > 0 ? window : 0, bf16};
+                             static_cast<float>(scale), window > 0 ? window : 0, *element};
   AttentionPlan plan;
   plan.build(meta, shape, k_cache.size(0));
   torch::Tensor out = torch::empty_like(q);  // [T, H, D]

@@ -8,15 +8,21 @@
 
 namespace backfill {
 
-// A bfloat16 K/V cache element (`kv_cache_dtype="bfloat16"`): the high half of an fp32's bits,
-// read back exactly as that fp32 (bits << 16); written rounded to nearest even (as torch's).
+// The 16-bit K/V cache elements (`kv_cache_dtype`), each read back exactly as an fp32. Bf16:
+// the high half of an fp32's bits (bits << 16). F16: IEEE binary16 (11-bit significands, finite
+// up to 65,504: the decoder clamps what it writes). Both written rounded to nearest even (as
+// torch's .to()).
 struct Bf16 {
   uint16_t bits;
 };
+struct F16 {
+  uint16_t bits;
+};
+enum class KvElement : int8_t { kF32, kBf16, kF16 };
 
 // Geometry of one layer's attention; query head h reads KV head h / group. The caches
-// (contiguous, fp32 or bf16 elements: kv_bf16) hold one panel of block_size x head_dim elements
-// per block and KV head:
+// (contiguous, fp32, bf16 or fp16 elements: kv_element) hold one panel of block_size x head_dim
+// elements per block and KV head:
 //   K: [num_blocks, num_kv_heads, head_dim, block_size] (K^T per panel: a decode's scores read
 //      a register of consecutive keys for one d as it is, no transposition);
 //   V: [num_blocks, num_kv_heads, block_size, head_dim] (a key's V row, read as it is by P . V).
@@ -29,12 +35,12 @@ struct AttentionShape {
   int64_t block_size;
   float scale;     // softmax scale applied to q.k
   int64_t window;  // sliding window (a query at p sees p - window + 1 .. p); 0: none
-  // The caches hold Bf16 elements, not fp32. The kernels widen each to fp32 as they read it
-  // (exactly), so a row's output is what fp32 caches holding the same (rounded) values give.
-  bool kv_bf16 = false;
+  // The caches' element type. The kernels widen a 16-bit one to fp32 as they read it (exactly),
+  // so a row's output is what fp32 caches holding the same (rounded) values give.
+  KvElement kv_element = KvElement::kF32;
 };
 // Bytes of one K or V cache element.
-static constexpr int64_t kv_element_bytes(const AttentionShape& s) { return s.kv_bf16 ? 2 : 4; }
+static constexpr int64_t kv_element_bytes(const AttentionShape& s) { return s.kv_element == KvElement::kF32 ? 4 : 2; }
 
 // One unit of attention work: up to attention_tile_queries(group) consecutive query tokens of one
 // sequence against one KV head (all `group` query heads of it), over the keys the queries see
@@ -99,7 +105,7 @@ struct DecoderKernels {
   int64_t (*attention_scratch)(const AttentionShape& shape, int64_t max_rows);
   // out rows (token .. token + num_q) x heads of kv_head = softmax(q k^T * scale) v, causal
   // (and windowed) by position. q: row t at q + t * ldq, heads [H][D]; out likewise with ldo.
-  // The caches' elements: float, or Bf16 where shape.kv_bf16.
+  // The caches' elements: float, Bf16 or F16 as shape.kv_element says.
   void (*attention_tile)(const AttentionShape& shape, const AttentionTile& tile, const float* q, int64_t ldq,
                          const void* k_cache, const void* v_cache, float* out, int64_t ldo, float* scratch);
   // The out rows of a tile cut into `num_parts` partition tiles, from their partials

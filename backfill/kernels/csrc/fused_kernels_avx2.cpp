@@ -19,6 +19,10 @@ inline vf load_bf16(const uint16_t* p) {
                                          -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15);
   return (vf)_mm256_shuffle_epi8(words, index);
 }
+inline vf load_f16(const uint16_t* p) {
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline float f16_to_float(uint16_t h) { return _cvtsh_ss(h); }
 }  // namespace
 }  // namespace backfill
 

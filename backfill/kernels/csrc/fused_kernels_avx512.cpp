@@ -19,6 +19,10 @@ inline vf load_bf16(const uint16_t* p) {
                                          3, 0, 2, 0, 1, 0, 0, 0);
   return (vf)_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, index, words);
 }
+inline vf load_f16(const uint16_t* p) {
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline float f16_to_float(uint16_t h) { return _cvtsh_ss(h); }
 }  // namespace
 }  // namespace backfill
 

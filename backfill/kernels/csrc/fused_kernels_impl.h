@@ -4,7 +4,9 @@
 // `vf fmadd(vf a, vf b, vf c)` (a * b + c, fused where the ISA has FMA), `vf rcp_estimate(vf d)`
 // (1 / d to 12 bits or better), `vf splat(float s)` (a broadcast; NOTE: `vf{} + s` costs an add, since
 // 0 + -0 is +0, and a lane-by-lane loop compiles to one masked broadcast per lane) and
-// `vf load_bf16(const uint16_t* p)` (W bf16 bit patterns at p as fp32s, exactly: bits << 16).
+// `vf load_bf16(const uint16_t* p)` (W bf16 bit patterns at p as fp32s, exactly: bits << 16),
+// `vf load_f16(const uint16_t* p)` (W IEEE halves at p as fp32s, exactly) and
+// `float f16_to_float(uint16_t h)` (one of them).
 // Everything here has internal linkage, so each unit keeps its own copies (see isa.h).
 // No include guard on purpose: one inclusion per unit.
 
@@ -27,10 +29,11 @@ inline vf load(const float* p) {
   return v;
 }
 inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
-// W bf16 cache elements widened to fp32, exactly: each one's bits become an fp32's high half
-// (the ISA's load_bf16).
+// W 16-bit cache elements widened to fp32, exactly (the ISA's load_bf16 / load_f16).
 inline vf load(const Bf16* p) { return load_bf16(&p->bits); }
+inline vf load(const F16* p) { return load_f16(&p->bits); }
 inline float to_float(float x) { return x; }
+inline float to_float(F16 x) { return f16_to_float(x.bits); }
 inline float to_float(Bf16 x) {
   const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
   float f;
@@ -739,12 +742,17 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
 // The table's entry: the caches' element type from the shape.
 void attention_tile_any(const AttentionShape& s, const AttentionTile& t, const float* q, int64_t ldq,
                         const void* k_cache, const void* v_cache, float* out, int64_t ldo, float* scratch) {
-  if (s.kv_bf16)
-    attention_tile(s, t, q, ldq, static_cast<const Bf16*>(k_cache), static_cast<const Bf16*>(v_cache), out, ldo,
-                   scratch);
-  else
-    attention_tile(s, t, q, ldq, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), out, ldo,
-                   scratch);
+  switch (s.kv_element) {
+    case KvElement::kBf16:
+      return attention_tile(s, t, q, ldq, static_cast<const Bf16*>(k_cache), static_cast<const Bf16*>(v_cache), out,
+                            ldo, scratch);
+    case KvElement::kF16:
+      return attention_tile(s, t, q, ldq, static_cast<const F16*>(k_cache), static_cast<const F16*>(v_cache), out,
+                            ldo, scratch);
+    case KvElement::kF32: break;
+  }
+  attention_tile(s, t, q, ldq, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), out, ldo,
+                 scratch);
 }
 
 void attention_combine(const AttentionShape& s, const AttentionTile& t, const float* partials, int64_t num_parts,

@@ -16,6 +16,21 @@ inline vf load_bf16(const uint16_t* p) {
   const __m128i words = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return (vf)_mm_unpacklo_epi16(_mm_setzero_si128(), words);
 }
+// IEEE halves to fp32 without F16C (not in the baseline), exactly: normals rebias the exponent,
+// subnormals are their significand times 2^-24, infinities and NaNs keep an all-ones exponent.
+inline vf load_f16(const uint16_t* p) {
+  const vi h = (vi)_mm_unpacklo_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), _mm_setzero_si128());
+  const vi em = h & 0x7fff, sign = (h & 0x8000) << 16;
+  const vf normal = (vf)((em << 13) + (112 << 23));
+  const vf subnormal = __builtin_convertvector(em, vf) * (vf{} + 0x1p-24f);
+  vf r = em < 0x400 ? subnormal : normal;
+  r = em >= 0x7c00 ? (vf)((em << 13) | 0x7f800000) : r;
+  return (vf)((vi)r | sign);
+}
+inline float f16_to_float(uint16_t h) {
+  const uint16_t words[4] = {h, 0, 0, 0};
+  return load_f16(words)[0];
+}
 }  // namespace
 }  // namespace backfill
 
