@@ -1,9 +1,9 @@
 // The decoder's non-GEMM kernels over a SIMD width W (GCC vector extensions), included once by
 // each ISA translation unit after it defines BF_LANES, BF_TABLE (the table's function name),
-// BF_NAME, the vector types vf / vi (W floats / int32s) and four ISA primitives:
+// BF_NAME, the vector types vf / vi (W floats / int32s) and six ISA primitives:
 // `vf fmadd(vf a, vf b, vf c)` (a * b + c, fused where the ISA has FMA), `vf rcp_estimate(vf d)`
 // (1 / d to 12 bits or better), `vf splat(float s)` (a broadcast; NOTE: `vf{} + s` costs an add, since
-// 0 + -0 is +0, and a lane-by-lane loop compiles to one masked broadcast per lane) and
+// 0 + -0 is +0, and a lane-by-lane loop compiles to one masked broadcast per lane),
 // `vf load_bf16(const uint16_t* p)` (W bf16 bit patterns at p as fp32s, exactly: bits << 16),
 // `vf load_f16(const uint16_t* p)` (W IEEE halves at p as fp32s, exactly) and
 // `float f16_to_float(uint16_t h)` (one of them).
