@@ -9,6 +9,7 @@ this CPU runs, switched at run time).
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -69,6 +70,13 @@ def restore_isa() -> Iterator[None]:
     before = ext.isa()
     yield
     ext.set_isa(before)
+
+
+@pytest.fixture
+def restore_subnormal() -> Iterator[None]:
+    before = ext.subnormal_codes()
+    yield
+    ext.set_subnormal_codes(before)
 
 
 def use_isa(name: str) -> None:
@@ -180,11 +188,15 @@ def test_isas_are_bit_identical(name: str, restore_isa: None) -> None:
         assert all(torch.equal(a, b) for a, b in zip(ys, first)), isa
 
 
+@pytest.mark.parametrize("subnormal", [False, True])
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
-def test_scaled_code_types_agree_on_tiny_x(name: str, restore_isa: None) -> None:
+def test_scaled_code_types_agree_on_tiny_x(name: str, subnormal: bool, restore_isa: None, restore_subnormal: None) -> None:
     """The 4-bit types and Q6_K read column k's code as q 2^4c and scale x[k] by 2^-4c (packed.h:
     scaled_codes, nibble_x_scale): exact for normal x, and where x[k] 2^-4c leaves fp32's normal
-    range (|x| < 2^-102) every ISA and every path (fused, halves, panels) rounds it alike."""
+    range (|x| < 2^-102) every ISA and every path (fused, halves, panels) rounds it alike. The
+    same for the 4-bit types' subnormal form (products x q 2^-85, below fp32's normal range for
+    these rows): every ISA rounds them alike."""
+    ext.set_subnormal_codes(subnormal)
     qtype, n, k, _, packed = packed_case(name, seed=3)
     x = torch.randn(33, k, generator=torch.Generator().manual_seed(4))
     x[0] *= 1e-32  # whole rows this small: x 2^-20 and x 2^-24 are subnormal, and their products
@@ -200,6 +212,62 @@ def test_scaled_code_types_agree_on_tiny_x(name: str, restore_isa: None) -> None
     first = next(iter(results.values()))
     for isa, y in results.items():
         assert torch.equal(y, first), isa
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_subnormal_form_gives_the_nibble_forms_bits(name: str, restore_isa: None, restore_subnormal: None) -> None:
+    """The 4-bit types' codes read as subnormal floats (packed.h: no int -> float conversion; x
+    scaled by 2^(64 - s_c), d by 2^85) give the nibble form's bits for every row whose products
+    and code sums stay above 2^-41 (normal x: all of them), on every ISA and at every M."""
+    qtype, n, k, raw, packed = packed_case(name, seed=6)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(7)) * 3.0
+    x[4] *= 1e6  # large rows too (|x| < 2^64)
+    x[9] *= 1e-6
+    w = reference(raw, qtype)
+    for isa in ISAS:
+        if not ext.set_isa(isa):
+            continue
+        for m in (1, 2, 5, 16, 17, 40):
+            ys = []
+            for subnormal in (False, True):
+                ext.set_subnormal_codes(subnormal)
+                ys.append(ext.qlinear(x[:m], packed, qtype, n, k))
+            assert torch.equal(ys[0], ys[1]), (isa, m)
+            assert_fp32_accurate(ys[1], x[:m], w)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="MXCSR's DAZ bit: x86 only")
+def test_subnormal_form_steps_aside_when_denormals_are_zero(restore_isa: None, restore_subnormal: None) -> None:
+    """torch.set_flush_denormal(True) sets MXCSR.DAZ, which reads every subnormal input as 0: the
+    kernels check it per job and take the nibble form instead (one thread: the job runs in the
+    thread whose MXCSR was set)."""
+    qtype, n, k, _, packed = packed_case("Q4_1", seed=8)
+    x = torch.randn(3, k)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for isa in ISAS:
+            if not ext.set_isa(isa):
+                continue
+            ext.set_subnormal_codes(False)
+            want = ext.qlinear(x, packed, qtype, n, k)
+            ext.set_subnormal_codes(True)
+            assert torch.set_flush_denormal(True)
+            try:
+                got = ext.qlinear(x, packed, qtype, n, k)
+            finally:
+                torch.set_flush_denormal(False)
+            assert torch.equal(got, want), isa
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_subnormal_form_env_decides() -> None:
+    code = "from backfill.kernels import extension; print(extension().subnormal_codes())"
+    for value, want in (("0", "False"), ("1", "True")):
+        env = dict(os.environ, BACKFILL_SUBNORMAL_CODES=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want
 
 
 @pytest.mark.parametrize("name", ["F32", "Q4_1", "Q8_0", "Q4_K"])

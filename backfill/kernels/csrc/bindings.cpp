@@ -236,6 +236,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "False if refused",
         pybind11::arg("name"));
   namespace py = pybind11;
+  m.def("subnormal_codes", &backfill::subnormal_codes,
+        "whether the 4-bit types' codes are read as subnormal floats (measured once per process)");
+  m.def("set_subnormal_codes", &backfill::set_subnormal_codes,
+        "tests / benchmarks: read the 4-bit codes as subnormals (True) or convert them (False) from now on",
+        py::arg("on"));
   m.def("repack", &backfill::repack_weight, "raw GGUF rows -> the kernels' packed layout (into out if given)",
         py::arg("raw"), py::arg("qtype"), py::arg("cols"), py::arg("out") = py::none());
   m.def("packed_bytes", &backfill::packed_size, "bytes of the packed form of a [rows, cols] matrix of qtype",

@@ -8,14 +8,14 @@
 namespace backfill {
 namespace {
 
-// out[k][mr] = x[0 .. mr - 1][k] (x rows ldx floats apart; times nibble_x_scale(k) where it is
-// not 1 and `scaled`: the products pack_x's scalar loop takes) for k < cols rounded down to 8,
+// out[k][mr] = x[0 .. mr - 1][k] (x rows ldx floats apart; times scale[k % 8] where it is not 1
+// and scale is not null: the products pack_x's scalar loop takes) for k < cols rounded down to 8,
 // mr <= 8: 8 x 8 blocks transposed in registers, each column stored as 8 floats whose lanes past
 // mr the next column overwrites (the block's last column of all: a masked store). A scalar copy
 // of a few rows stored one float at a time, then scaled them in a second pass: on a Zen 4 EPYC
 // forced to AVX2, ~2.5% of a 32-decode step. Returns the columns done (0 for mr > 8).
 inline __attribute__((always_inline)) int64_t pack_x8(const float* x, int64_t ldx, int64_t cols, int mr,
-                                                       float* out, bool scaled) {
+                                                       float* out, const float* scale) {
   const int64_t end = cols / 8 * 8;
   if (mr > 8 || mr < 1 || end == 0) return 0;
   const float* row[8];
@@ -39,8 +39,8 @@ inline __attribute__((always_inline)) int64_t pack_x8(const float* x, int64_t ld
       c[j + 4] = _mm256_permute2f128_ps(s[j], s[4 + j], 0x31);
     }
     for (int j = 0; j < 8; ++j) {
-      const float scale = nibble_x_scale(k0 + j);
-      if (scaled && scale != 1.0f) c[j] = _mm256_mul_ps(c[j], _mm256_set1_ps(scale));
+      const float s = scale != nullptr ? scale[j] : 1.0f;  // (k0 % 8 == 0)
+      if (s != 1.0f) c[j] = _mm256_mul_ps(c[j], _mm256_set1_ps(s));
       float* dst = out + (k0 + j) * mr;
       if (j == 7 && k0 + 8 == end) _mm256_maskstore_ps(dst, kept, c[j]);
       else _mm256_storeu_ps(dst, c[j]);

@@ -87,6 +87,38 @@ inline float nibble_code_scale(int64_t k) {
   constexpr float kScale[8] = {1.0f, 0x1p4f, 0x1p8f, 0x1p12f, 0x1p16f, 0x1p20f, 0x1p24f, 1.0f};
   return kScale[k % 8];
 }
+// nibble_x_scale(k) by k % 8, for the kernels' x packing.
+constexpr float kNibbleXScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+
+// The nibble words' subnormal form (TileJob::subnormal_codes; qgemm.cpp decides where it runs).
+// Column 8w + c's code is taken out of its word by one and for c = 0 .. 5 (bits 4c .. 4c + 3),
+// one shift for c = 7 (down to bits 0 .. 3) and a shift and an and for c = 6 (down to bits
+// 20 .. 23), and those bits are read as they are as an fp32: a subnormal, q 2^(s_c - 149) with
+// s_c = 0, 4, .., 20, 20, 0 (for c = 5 a q >= 8 sets the exponent's lowest bit: the value is
+// still q 2^20 2^-149). No int -> float conversion: one operation a column fewer, which on a
+// Zen 4 EPYC is a third of the 4-bit decode's vector work at one row (the FMA, the and and the
+// conversion share its four pipes). x[k] is scaled by 2^(64 - s_c) to match (subnormal_x_scale)
+// and the block's d by 2^85 (kSubnormalDScale): every product x q 2^-85 exactly, the code sums S
+// 2^-85 times the nibble form's and y = fma(S, d, y) the same bits, unless |x q| or a partial sum
+// |S| falls below 2^-41 (it is then rounded to a multiple of 2^-64 2^-85, not to 24 bits) or
+// |x| reaches 2^64 (x 2^64 overflows). Reading subnormals at full speed is the CPU's business
+// (AMD's Zen cores do; some Intel cores take a microcode assist), and MXCSR.DAZ (denormals are
+// zero, torch.set_flush_denormal) would read every code as 0: the kernels check it per job
+// (subnormals_read) and take the nibble form instead.
+constexpr int kSubnormalShift[8] = {0, 4, 8, 12, 16, 20, 20, 0};
+constexpr float kSubnormalXScale[8] = {0x1p64f, 0x1p60f, 0x1p56f, 0x1p52f, 0x1p48f, 0x1p44f, 0x1p44f, 0x1p64f};
+constexpr float kSubnormalDScale = 0x1p85f;
+inline float subnormal_x_scale(int64_t k) { return kSubnormalXScale[k % 8]; }
+// The code q of column k as the subnormal form reads it: q 2^(s_c - 149) (exact: q < 16).
+inline float subnormal_code(float q, int64_t k) { return q * (0x1p-149f * static_cast<float>(1 << kSubnormalShift[k % 8])); }
+// Whether this thread's MXCSR lets subnormal inputs through (DAZ clear).
+inline bool subnormals_read() {
+#if defined(__x86_64__) || defined(__i386__)
+  return (__builtin_ia32_stmxcsr() & 0x40u) == 0;
+#else
+  return true;
+#endif
+}
 
 // X_b of the factored sums below: the sum of a block's qb (32 or 16) values x[0 .. qb - 1] as a
 // fixed tree over 16 lanes: s[l] = x[l] + x[l + 16] (32 columns) or x[l] (16), then lanes l and
@@ -132,6 +164,9 @@ struct TileJob {
   const SidePrefetch* side;
   int64_t side_begin;
   int64_t side_end;
+  // The nibble words' codes in their subnormal form (above), where this thread reads subnormals
+  // (subnormals_read); else the nibble form. Q6_K and the other types: no effect.
+  bool subnormal_codes = false;
 };
 
 // A job's scratch: [panels: <= 2048 columns x 16 rows][partial sums: <= kScratchPartRows rows x 4

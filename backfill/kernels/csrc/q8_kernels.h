@@ -21,14 +21,14 @@ template <QType T>
 BF_AI const uint8_t* q8_weight_block(const uint8_t* tile, int64_t b, VF* d, VF* m) {
   if constexpr (T == QType::Q4_K) {  // b: a 32-column sub-block of a 256-column super-block
     const uint8_t* blk = tile + b / 8 * kQ4_KTileBlockBytes;
-    DqQ4_K::scales(blk, static_cast<int>(b % 8), d, m);
+    DqQ4_K<false>::scales(blk, static_cast<int>(b % 8), d, m);
     return blk + tile_off::kQ4_KQs + 4 * 64 * (b % 8);
   } else {
     constexpr bool kMin = T == QType::Q4_1;
-    const uint8_t* blk = tile + b * DqQ4<kMin>::kBlockBytes;
+    const uint8_t* blk = tile + b * DqQ4<kMin, false>::kBlockBytes;
     *d = vf_load_f16(blk);
     *m = kMin ? vf_load_f16(blk + tile_off::kQ4_1M) : vf_mul(*d, vf_set1(-8.0f));
-    return blk + DqQ4<kMin>::kQs;
+    return blk + DqQ4<kMin, false>::kQs;
   }
 }
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -100,8 +101,8 @@ Q8Rows quantize_x(const Q8Kernels& kernels, const float* x, int64_t m, int64_t l
 
 using JobFn = void (*)(const TileJob&);
 
-JobFn job_fn() {
-  switch (isa()) {
+JobFn job_fn(Isa which) {
+  switch (which) {
     case Isa::Avx512: return packed_gemm_avx512;
     case Isa::Avx2: return packed_gemm_avx2;
     case Isa::Scalar: break;
@@ -116,6 +117,59 @@ float* thread_scratch(int64_t floats) {
   if (buf.size() < need) buf.assign(need, 0.0f);
   const uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
   return reinterpret_cast<float*>((p + 63) & ~uintptr_t{63});
+}
+
+// Whether the nibble words run in their subnormal form (packed.h) in this process, on every ISA
+// alike (so that they keep agreeing bit for bit at every magnitude): measured once, on the best
+// kernels this CPU has, from a Q4_1 matrix in cache at one row (where the form matters most),
+// each form's best of 7 alternating rounds; kept only if the two agree bit for bit and the
+// subnormal form is at least 5% faster (a CPU that reads subnormals through a microcode assist
+// is many times slower). BACKFILL_SUBNORMAL_CODES=0 / 1 decides instead.
+bool measure_subnormal_codes() {
+  const Isa best = cpu_isa();
+  if (best == Isa::Scalar || !subnormals_read()) return false;
+  constexpr int64_t kRows = 192, kCols = 1024, kRowBytes = kCols / 32 * 20;  // 12 tiles, ~120 KB
+  std::vector<uint8_t> raw(static_cast<size_t>(kRows * kRowBytes));
+  uint32_t seed = 12345;
+  const auto next = [&seed] { return seed = seed * 1664525u + 1013904223u; };
+  for (int64_t b = 0; b < kRows * kCols / 32; ++b) {
+    uint8_t* blk = raw.data() + 20 * b;
+    const uint16_t d = static_cast<uint16_t>(0x2000 + next() % 0x1000), m = static_cast<uint16_t>(0xA000 + next() % 0x1000);
+    std::memcpy(blk, &d, 2);
+    std::memcpy(blk + 2, &m, 2);
+    for (int i = 4; i < 20; ++i) blk[i] = static_cast<uint8_t>(next() >> 24);
+  }
+  std::vector<uint8_t> packed(static_cast<size_t>(packed_bytes(QType::Q4_1, kRows, kCols)));
+  repack_tiles(QMatrix{raw.data(), QType::Q4_1, kRows, kCols, kRowBytes}, packed.data(), 0, num_tiles(kRows));
+  std::vector<float> x(kCols), y[2] = {std::vector<float>(kRows), std::vector<float>(kRows)};
+  for (float& v : x) v = static_cast<float>(static_cast<int32_t>(next())) * 0x1p-31f;
+  const JobFn fn = job_fn(best);
+  double best_ns[2] = {1e30, 1e30};
+  for (int round = 0; round < 8; ++round) {
+    for (int sub = 0; sub < 2; ++sub) {
+      TileJob job{x.data(), 1, kCols, packed.data(), QType::Q4_1, kRows, kCols, nullptr, y[sub].data(), kRows, false,
+                  0, num_tiles(kRows), thread_scratch(job_scratch_floats(kCols)), nullptr, 0, 0};
+      job.subnormal_codes = sub == 1;
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < 32; ++i) fn(job);
+      const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+      if (round > 0) best_ns[sub] = std::min(best_ns[sub], ns);  // round 0 warms up
+    }
+  }
+  return std::memcmp(y[0].data(), y[1].data(), sizeof(float) * kRows) == 0 && best_ns[1] < 0.95 * best_ns[0];
+}
+
+std::atomic<int> g_subnormal{-1};  // 0 / 1, or -1 before the first use
+
+bool use_subnormal_codes() {
+  int v = g_subnormal.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("BACKFILL_SUBNORMAL_CODES");
+    if (env != nullptr && (std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0)) v = env[0] == '1';
+    else v = measure_subnormal_codes() ? 1 : 0;
+    g_subnormal.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
 }
 
 }  // namespace
@@ -135,6 +189,9 @@ bool set_active_isa(const char* name) {
   g_isa.store(static_cast<int>(want), std::memory_order_relaxed);
   return true;
 }
+
+bool subnormal_codes() { return use_subnormal_codes(); }
+void set_subnormal_codes(bool on) { g_subnormal.store(on ? 1 : 0, std::memory_order_relaxed); }
 
 const char* q8_isa() { return q8_kernels().gemm == q8_gemm_avx512vnni ? "avx512vnni" : active_isa(); }
 
@@ -160,15 +217,17 @@ void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, 
     });
     return;
   }
-  const JobFn fn = job_fn();
+  const JobFn fn = job_fn(isa());
+  const bool subnormal = use_subnormal_codes();
   // A range is worth a thread from ~100k weight-uses on (dequantization counted as two rows).
   const int64_t tile_work = kTileRows * w.cols * (m + 2);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / tile_work);
   for_share(team, tiles, grain, [&](int64_t begin, int64_t end) {
-    const TileJob job{x,    m,   ldx,        w.data, w.type, w.rows, w.cols,
-                      bias, y,   ldy,        accumulate,     begin,  end,
-                      thread_scratch(job_scratch_floats(w.cols)),
-                      side, side_lines * begin / tiles, side_lines * end / tiles};
+    TileJob job{x,    m,   ldx,        w.data, w.type, w.rows, w.cols,
+                bias, y,   ldy,        accumulate,     begin,  end,
+                thread_scratch(job_scratch_floats(w.cols)),
+                side, side_lines * begin / tiles, side_lines * end / tiles};
+    job.subnormal_codes = subnormal;
     fn(job);
   });
 }

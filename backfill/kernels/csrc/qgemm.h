@@ -51,6 +51,13 @@ int64_t packed_bytes(QType type, int64_t rows, int64_t cols);
 // raw: rows x w.row_bytes in GGUF layout -> out: packed_bytes(...) bytes.
 void repack(const QMatrix& raw, uint8_t* out);
 
+// Whether the 4-bit types' codes are read in their subnormal form (packed.h: TileJob), on every
+// ISA: measured once per process where not set (BACKFILL_SUBNORMAL_CODES=0 / 1, or
+// set_subnormal_codes). The numbers are the nibble form's unless |x q| or a code sum falls below
+// 2^-41 (packed.h); every ISA and batch agree either way. Not for use mid-GEMM.
+bool subnormal_codes();
+void set_subnormal_codes(bool on);
+
 // Whether this CPU runs the int8-activation kernels with VNNI ("avx512vnni") or without
 // ("avx2", "scalar"): the numbers are the same.
 const char* q8_isa();

@@ -67,6 +67,7 @@ AI VI vi_and(VI a, int m) {
 template <int S>
 AI VI vi_srl(VI a) { return VI{_mm256_srli_epi32(a.lo, S), _mm256_srli_epi32(a.hi, S)}; }
 AI VF vi_to_f(VI a) { return VF{_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+AI VF vi_as_f(VI a) { return VF{_mm256_castsi256_ps(a.lo), _mm256_castsi256_ps(a.hi)}; }
 AI VF vf_nib_lo(VI a) { return vi_to_f(vi_and(a, 0xF)); }
 
 // block_sum's order (packed.h): lanes l + (l + 8), then + (l + 4), + (l + 2), + (l + 1).
@@ -79,7 +80,7 @@ AI float vf_block_tree(VF a) {
 
 // pack_x's 16-row fast path: AVX2 blocks are at most 6 rows (kFusedMaxM, kPanelMaxMR below), so
 // it is never reached here (pack_x8.h does theirs).
-AI int64_t pack_x16(const float*, int64_t, int64_t, float*, bool) { return 0; }
+AI int64_t pack_x16(const float*, int64_t, int64_t, float*, const float*) { return 0; }
 
 AI VI vi_zero() { return VI{_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 // The int8-activation dot (q8_kernels.h): vpmaddubsw (unsigned codes <= 15 times int8 x, pairs

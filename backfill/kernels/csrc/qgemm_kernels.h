@@ -4,7 +4,7 @@
 //   VF (16 floats), VI (16 int32): vf_zero, vf_set1, vf_load, vf_store, vf_load_n, vf_store_n,
 //   vf_bcast, vf_fma (a * b + c, one rounding), vf_mul, vf_add, vf_load_f16 (16 halves),
 //   vi_load_u8 / vi_load_s8 (16 bytes widened), vi_load_u32 (16 uint32), vi_and, vi_and_bcast
-//   (a & the uint32 at m, every lane), vi_srl<s>, vi_to_f,
+//   (a & the uint32 at m, every lane), vi_srl<s>, vi_to_f, vi_as_f (the bits as they are),
 //   vf_nib_lo (float(v & 15)),
 //   vf_block_tree (the sum of the 16 lanes in block_sum's order, packed.h),
 //   pack_x16 (x's 16 rows column by column, scaled as pack_x scales them, as many columns as it
@@ -34,14 +34,18 @@ namespace {
 // k0 + 1, .., k0 + kn - 1 in order, w[t] the 16 weights (fp32) of tiles[t] at column k. The
 // block types: for_each_code (below).
 
+// kXScale: x[k]'s scale against column k's code, by k % 8 (packed.h: nibble_x_scale,
+// subnormal_x_scale), or null (x as it is).
 struct DqF32 {
   static constexpr bool kIsPanel = true;  // a tile is already a [K][16] fp32 panel: nothing to do
-  static constexpr bool kFactored = false, kHasMin = false, kScaledCodes = false;
+  static constexpr bool kFactored = false, kHasMin = false;
+  static constexpr const float* kXScale = nullptr;
   static constexpr int64_t kQB = 0;
 };
 
 struct DqF16 {
-  static constexpr bool kIsPanel = false, kFactored = false, kHasMin = false, kScaledCodes = false;
+  static constexpr bool kIsPanel = false, kFactored = false, kHasMin = false;
+  static constexpr const float* kXScale = nullptr;
   static constexpr int64_t kQB = 0;
   template <int NT, class Fn>
   BF_AI static void for_each(const uint8_t* const* tiles, int64_t k0, int64_t kn, Fn&& fn) {
@@ -66,10 +70,22 @@ alignas(64) constexpr uint32_t kNibbleMask[8] = {0xFu, 0xF0u, 0xF00u, 0xF000u, 0
 
 // Column 8w + c of NT tiles' nibble words v (packed.h): its codes as fp32, q for c = 0 (vf_nib_lo)
 // and c = 7 (shifted down), else q 2^4c, nibble c taken out in place by one and (x is scaled by
-// 2^-4c against it: nibble_x_scale).
-template <int NT, class Code>
+// 2^-4c against it: nibble_x_scale). kSub: the subnormal form (packed.h), no conversions.
+template <int NT, bool kSub, class Code>
 BF_AI void nibble_columns(const VI* v, int64_t k, Code&& code) {
   VF q[NT];
+  if constexpr (kSub) {
+#pragma GCC unroll 6
+    for (int c = 0; c < 6; ++c) {
+      BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(v[t], kNibbleMask + c));
+      code(k + c, q);
+    }
+    BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(vi_srl<4>(v[t]), kNibbleMask + 5));
+    code(k + 6, q);
+    BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_srl<28>(v[t]));
+    code(k + 7, q);
+    return;
+  }
   BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vf_nib_lo(v[t]);
   code(k, q);
 #pragma GCC unroll 6
@@ -86,19 +102,26 @@ BF_AI void nibble_columns(const VI* v, int64_t k, Code&& code) {
 // nibbles took four per two columns and the shuffle. Q4_1 [3072, 576] on one core of a Zen 4
 // EPYC from cache: 16% faster at 1 row, 11% at 2, 7% at 4, 4% at 8, the same from 16 (AVX2: 3-4%
 // at 1-8 rows); the batch-1 step ~5-10%.
-template <int NT, class Code>
+template <int NT, bool kSub, class Code>
 BF_AI void nibble_codes(const uint8_t* const* qs, int64_t k0, Code&& code) {
   for (int w = 0; w < 4; ++w) {
     VI v[NT];
     BF_UNROLL for (int t = 0; t < NT; ++t) v[t] = vi_load_u32(qs[t] + 64 * w);
-    nibble_columns<NT>(v, k0 + 8 * w, code);
+    nibble_columns<NT, kSub>(v, k0 + 8 * w, code);
   }
 }
 
+// The nibble types' x scales and d, nibble or subnormal form (packed.h).
+template <bool kSub>
+constexpr const float* nibble_x_scales() { return kSub ? kSubnormalXScale : kNibbleXScale; }
+template <bool kSub>
+BF_AI VF nibble_d(VF d) { return kSub ? vf_mul(d, vf_set1(kSubnormalDScale)) : d; }
+
 // Q4_0 (w = (q - 8) d: m = -8 d) and Q4_1 (w = q d + m): one tile block per 32 columns.
-template <bool kMin>
+template <bool kMin, bool kSub>
 struct DqQ4 {
-  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true, kScaledCodes = true;
+  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true;
+  static constexpr const float* kXScale = nibble_x_scales<kSub>();
   static constexpr int64_t kQB = QK;
   static constexpr int64_t kBlockBytes = kMin ? 320 : 288;
   static constexpr int64_t kQs = kMin ? tile_off::kQ4_1Qs : tile_off::kQ4_0Qs;
@@ -107,12 +130,13 @@ struct DqQ4 {
     for (int64_t b = k0 / QK; b < (k0 + kn) / QK; ++b) {
       const uint8_t* qs[NT];
       BF_UNROLL for (int t = 0; t < NT; ++t) qs[t] = tiles[t] + b * kBlockBytes + kQs;
-      nibble_codes<NT>(qs, b * QK, code);
+      nibble_codes<NT, kSub>(qs, b * QK, code);
       VF d[NT], m[NT];
       BF_UNROLL for (int t = 0; t < NT; ++t) {
         const uint8_t* blk = tiles[t] + b * kBlockBytes;
         d[t] = vf_load_f16(blk);
         m[t] = kMin ? vf_load_f16(blk + tile_off::kQ4_1M) : vf_mul(d[t], vf_set1(-8.0f));
+        d[t] = nibble_d<kSub>(d[t]);
       }
       fold(b, d, m);
     }
@@ -121,7 +145,8 @@ struct DqQ4 {
 
 // Q8_0: w = q d (int8 q), no offset.
 struct DqQ8_0 {
-  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = false, kScaledCodes = false;
+  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = false;
+  static constexpr const float* kXScale = nullptr;
   static constexpr int64_t kQB = QK;
   template <int NT, class Code, class Fold>
   BF_AI static void for_each_code(const uint8_t* const* tiles, int64_t k0, int64_t kn, Code&& code, Fold&& fold) {
@@ -142,8 +167,10 @@ struct DqQ8_0 {
 
 // Q4_K: per 32-column sub-block j, d_j = d sc_j and m_j = -(dmin mn_j) (w = d_j q + m_j), the
 // 6-bit sc_j / mn_j as ggml's get_scale_min_k4 takes them out of its 12 scale bytes (done at load: packed.h).
+template <bool kSub>
 struct DqQ4_K {
-  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true, kScaledCodes = true;
+  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true;
+  static constexpr const float* kXScale = nibble_x_scales<kSub>();
   static constexpr int64_t kQB = 32;
   template <int NT, class Code, class Fold>
   BF_AI static void for_each_code(const uint8_t* const* tiles, int64_t k0, int64_t kn, Code&& code, Fold&& fold) {
@@ -152,9 +179,12 @@ struct DqQ4_K {
       const int j = static_cast<int>(s % 8);
       const uint8_t* qs[NT];
       BF_UNROLL for (int t = 0; t < NT; ++t) qs[t] = tiles[t] + b * kQ4_KTileBlockBytes + tile_off::kQ4_KQs + 4 * 64 * j;
-      nibble_codes<NT>(qs, s * 32, code);
+      nibble_codes<NT, kSub>(qs, s * 32, code);
       VF d1[NT], m1[NT];
-      BF_UNROLL for (int t = 0; t < NT; ++t) scales(tiles[t] + b * kQ4_KTileBlockBytes, j, &d1[t], &m1[t]);
+      BF_UNROLL for (int t = 0; t < NT; ++t) {
+        scales(tiles[t] + b * kQ4_KTileBlockBytes, j, &d1[t], &m1[t]);
+        d1[t] = nibble_d<kSub>(d1[t]);
+      }
       fold(s, d1, m1);
     }
   }
@@ -193,7 +223,8 @@ BF_AI void six_bit_columns(const VI* a, const VI* b, int64_t k, Code&& code) {
 // codes of the six-bit words: two plain loads per 8 columns, then two operations a column, where
 // the file's split codes (a low nibble and two high bits, bytes widened) took 5-6.
 struct DqQ6_K {
-  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true, kScaledCodes = true;
+  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true;
+  static constexpr const float* kXScale = kNibbleXScale;
   static constexpr int64_t kQB = 16;
   template <int NT, class Code, class Fold>
   BF_AI static void for_each_code(const uint8_t* const* tiles, int64_t k0, int64_t kn, Code&& code, Fold&& fold) {
@@ -267,16 +298,30 @@ BF_AI void store_acc(const VF (&acc)[MR][NT], const Job& job, int64_t row0, int6
 // Rows [row0, row0 + mr) of x packed column by column, out [K][mr]: the kernels' broadcasts then
 // walk one pointer (the row pointers would not fit the general registers beside the rest).
 // 16 rows: the ISA unit's pack_x16 first, up to 8 pack_x8 (register transposes), the columns
-// they left here. The scaled-code types' columns scaled against their codes (packed.h:
-// scaled_codes, nibble_x_scale), every path by the same products.
+// they left here. The scaled-code types' columns scaled against their codes (Dq::kXScale),
+// every path by the same products.
+// One row: x times its scales 16 columns at a time (pack_x8's transposes of one row: ~2% of a
+// batch-1 step).
+template <class Dq>
+BF_AI int64_t pack_x1(const float* x, int64_t cols, float* out) {
+  constexpr const float* kScale = Dq::kXScale;
+  float pattern[16];
+  for (int i = 0; i < 16; ++i) pattern[i] = kScale != nullptr ? kScale[i % 8] : 1.0f;
+  const VF scale = vf_load(pattern);
+  int64_t k = 0;
+  for (; k + 16 <= cols; k += 16) vf_store(out + k, kScale != nullptr ? vf_mul(vf_load(x + k), scale) : vf_load(x + k));
+  return k;
+}
+
 template <class Dq>
 inline void pack_x(const TileJob& job, int64_t row0, int mr, float* out) {
   const float* x = job.x + row0 * job.ldx;
-  constexpr bool kScaled = Dq::kScaledCodes;
-  const int64_t k0 = mr == 16 ? pack_x16(x, job.ldx, job.cols, out, kScaled)
-                              : pack_x8(x, job.ldx, job.cols, mr, out, kScaled);
+  constexpr const float* kScale = Dq::kXScale;
+  const int64_t k0 = mr == 1    ? pack_x1<Dq>(x, job.cols, out)
+                     : mr == 16 ? pack_x16(x, job.ldx, job.cols, out, kScale)
+                                : pack_x8(x, job.ldx, job.cols, mr, out, kScale);
   for (int64_t k = k0; k < job.cols; ++k) {
-    const float s = kScaled ? nibble_x_scale(k) : 1.0f;
+    const float s = kScale != nullptr ? kScale[k % 8] : 1.0f;
     for (int i = 0; i < mr; ++i) {
       const float v = x[i * job.ldx + k];
       out[k * mr + i] = s != 1.0f ? v * s : v;
@@ -785,16 +830,24 @@ void run_job(const TileJob& job) {
   panel_path<Dq>(job, xp, xs);
 }
 
-BF_AI void run_packed_gemm(const TileJob& job) {
+template <bool kSub>
+BF_AI void run_packed_gemm_as(const TileJob& job) {
   switch (job.type) {
     case QType::F32: run_job<DqF32>(job); break;
     case QType::F16: run_job<DqF16>(job); break;
-    case QType::Q4_0: run_job<DqQ4<false>>(job); break;
-    case QType::Q4_1: run_job<DqQ4<true>>(job); break;
+    case QType::Q4_0: run_job<DqQ4<false, kSub>>(job); break;
+    case QType::Q4_1: run_job<DqQ4<true, kSub>>(job); break;
     case QType::Q8_0: run_job<DqQ8_0>(job); break;
-    case QType::Q4_K: run_job<DqQ4_K>(job); break;
+    case QType::Q4_K: run_job<DqQ4_K<kSub>>(job); break;
     case QType::Q6_K: run_job<DqQ6_K>(job); break;
   }
+}
+
+// The nibble types in their subnormal form where the job asks for it and this thread's MXCSR
+// reads subnormals (packed.h).
+BF_AI void run_packed_gemm(const TileJob& job) {
+  if (job.subnormal_codes && subnormals_read()) run_packed_gemm_as<true>(job);
+  else run_packed_gemm_as<false>(job);
 }
 
 }  // namespace

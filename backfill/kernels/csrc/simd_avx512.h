@@ -45,6 +45,7 @@ AI VI vi_and(VI a, int m) { return VI{_mm512_and_si512(a.v, _mm512_set1_epi32(m)
 template <int S>
 AI VI vi_srl(VI a) { return VI{_mm512_srli_epi32(a.v, S)}; }
 AI VF vi_to_f(VI a) { return VF{_mm512_cvtepi32_ps(a.v)}; }
+AI VF vi_as_f(VI a) { return VF{_mm512_castsi512_ps(a.v)}; }
 // float(v & 15) as a table lookup: vpermps reads only the low 4 bits of each index, so this is
 // one shuffle instead of an and plus a conversion (the same exact values).
 AI VF vf_nib_lo(VI a) {
@@ -60,17 +61,18 @@ AI float vf_block_tree(VF a) {
   return _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1)));
 }
 
-// Column k of pack_x16's output: v (x's 16 rows at column k), scaled as pack_x scales it.
-AI void put_column(float* out, int64_t k, __m512 v, bool scaled) {
-  const float scale = nibble_x_scale(k);
-  _mm512_storeu_ps(out + k * 16, scaled && scale != 1.0f ? _mm512_mul_ps(v, _mm512_set1_ps(scale)) : v);
+// Column k of pack_x16's output: v (x's 16 rows at column k), scaled as pack_x scales it
+// (scale: by k % 8, or null).
+AI void put_column(float* out, int64_t k, __m512 v, const float* scale) {
+  const float s = scale != nullptr ? scale[k % 8] : 1.0f;
+  _mm512_storeu_ps(out + k * 16, s != 1.0f ? _mm512_mul_ps(v, _mm512_set1_ps(s)) : v);
 }
 
 // out[k][16] = x[0 .. 15][k] for k < cols rounded down to 16 (x rows ldx floats apart; times
-// nibble_x_scale(k) where it is not 1 and `scaled`, as pack_x's scalar loop): 16 x 16 blocks
+// scale[k % 8] where it is not 1 and scale is not null, as pack_x's scalar loop): 16 x 16 blocks
 // transposed in registers (unpacks within 128-bit lanes, then a 4 x 4 transpose of the lanes),
 // where a scalar copy stores every float on a line of its own. Returns the columns done.
-AI int64_t pack_x16(const float* x, int64_t ldx, int64_t cols, float* out, bool scaled) {
+AI int64_t pack_x16(const float* x, int64_t ldx, int64_t cols, float* out, const float* scale) {
   int64_t k0 = 0;
   for (; k0 + 16 <= cols; k0 += 16) {
     __m512 r[16], t[16];
@@ -91,10 +93,10 @@ AI int64_t pack_x16(const float* x, int64_t ldx, int64_t cols, float* out, bool 
       const __m512 v0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
       const __m512 v2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
       const __m512 v3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
-      put_column(out, k0 + c, _mm512_shuffle_f32x4(v0, v2, 0x88), scaled);
-      put_column(out, k0 + 4 + c, _mm512_shuffle_f32x4(v0, v2, 0xDD), scaled);
-      put_column(out, k0 + 8 + c, _mm512_shuffle_f32x4(v1, v3, 0x88), scaled);
-      put_column(out, k0 + 12 + c, _mm512_shuffle_f32x4(v1, v3, 0xDD), scaled);
+      put_column(out, k0 + c, _mm512_shuffle_f32x4(v0, v2, 0x88), scale);
+      put_column(out, k0 + 4 + c, _mm512_shuffle_f32x4(v0, v2, 0xDD), scale);
+      put_column(out, k0 + 8 + c, _mm512_shuffle_f32x4(v1, v3, 0x88), scale);
+      put_column(out, k0 + 12 + c, _mm512_shuffle_f32x4(v1, v3, 0xDD), scale);
     }
   }
   return k0;
