@@ -214,10 +214,10 @@ def test_scaled_code_types_agree_on_tiny_x(name: str, subnormal: bool, restore_i
         assert torch.equal(y, first), isa
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_subnormal_form_gives_the_nibble_forms_bits(name: str, restore_isa: None, restore_subnormal: None) -> None:
-    """The 4-bit types' codes read as subnormal floats (packed.h: no int -> float conversion; x
-    scaled by 2^(64 - s_c), d by 2^85) give the nibble form's bits for every row whose products
+    """The 4-bit types' and Q6_K's codes read as subnormal floats (packed.h: no int -> float
+    conversion; x scaled by 2^(64 - s_c), d by 2^85) give the scaled codes' bits for every row whose products
     and code sums stay above 2^-41 (normal x: all of them), on every ISA and at every M."""
     qtype, n, k, raw, packed = packed_case(name, seed=6)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(7)) * 3.0

@@ -90,7 +90,8 @@ inline float nibble_code_scale(int64_t k) {
 // nibble_x_scale(k) by k % 8, for the kernels' x packing.
 constexpr float kNibbleXScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
 
-// The nibble words' subnormal form (TileJob::subnormal_codes; qgemm.cpp decides where it runs).
+// The scaled-code types' subnormal form (TileJob::subnormal_codes; qgemm.cpp decides where it
+// runs), told here for the nibble words (Q6_K's six-bit words below).
 // Column 8w + c's code is taken out of its word by one and for c = 0 .. 5 (bits 4c .. 4c + 3),
 // one shift for c = 7 (down to bits 0 .. 3) and a shift and an and for c = 6 (down to bits
 // 20 .. 23), and those bits are read as they are as an fp32: a subnormal, q 2^(s_c - 149) with
@@ -105,12 +106,22 @@ constexpr float kNibbleXScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 
 // (AMD's Zen cores do; some Intel cores take a microcode assist), and MXCSR.DAZ (denormals are
 // zero, torch.set_flush_denormal) would read every code as 0: the kernels check it per job
 // (subnormals_read) and take the nibble form instead.
+// Q6_K's six-bit words the same way: columns 0 .. 4 by one and in place (bits 4c .. 4c + 5, below
+// the exponent), 5 and 6 shifted down to bits 16 .. 21 first (one shift and one and, as the
+// conversion's and and conversion), 7 by one shift: s_c = 0, 4, 8, 12, 16, 16, 16, 0.
 constexpr int kSubnormalShift[8] = {0, 4, 8, 12, 16, 20, 20, 0};
+constexpr int kSubnormalShiftQ6_K[8] = {0, 4, 8, 12, 16, 16, 16, 0};
 constexpr float kSubnormalXScale[8] = {0x1p64f, 0x1p60f, 0x1p56f, 0x1p52f, 0x1p48f, 0x1p44f, 0x1p44f, 0x1p64f};
+constexpr float kSubnormalXScaleQ6_K[8] = {0x1p64f, 0x1p60f, 0x1p56f, 0x1p52f, 0x1p48f, 0x1p48f, 0x1p48f, 0x1p64f};
 constexpr float kSubnormalDScale = 0x1p85f;
-inline float subnormal_x_scale(int64_t k) { return kSubnormalXScale[k % 8]; }
-// The code q of column k as the subnormal form reads it: q 2^(s_c - 149) (exact: q < 16).
-inline float subnormal_code(float q, int64_t k) { return q * (0x1p-149f * static_cast<float>(1 << kSubnormalShift[k % 8])); }
+inline float subnormal_x_scale(QType t, int64_t k) {
+  return t == QType::Q6_K ? kSubnormalXScaleQ6_K[k % 8] : kSubnormalXScale[k % 8];
+}
+// The code q of column k as the subnormal form reads it: q 2^(s_c - 149) (exact: q < 64).
+inline float subnormal_code(QType t, float q, int64_t k) {
+  const int s = t == QType::Q6_K ? kSubnormalShiftQ6_K[k % 8] : kSubnormalShift[k % 8];
+  return q * (0x1p-149f * static_cast<float>(1 << s));
+}
 // Whether this thread's MXCSR lets subnormal inputs through (DAZ clear).
 inline bool subnormals_read() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -164,8 +175,8 @@ struct TileJob {
   const SidePrefetch* side;
   int64_t side_begin;
   int64_t side_end;
-  // The nibble words' codes in their subnormal form (above), where this thread reads subnormals
-  // (subnormals_read); else the nibble form. Q6_K and the other types: no effect.
+  // The scaled-code types' codes (nibble words, Q6_K) in their subnormal form (above), where this
+  // thread reads subnormals (subnormals_read); else as scaled integers. Other types: no effect.
   bool subnormal_codes = false;
 };
 

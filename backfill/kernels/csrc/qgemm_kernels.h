@@ -115,7 +115,7 @@ BF_AI void nibble_codes(const uint8_t* const* qs, int64_t k0, Code&& code) {
 template <bool kSub>
 constexpr const float* nibble_x_scales() { return kSub ? kSubnormalXScale : kNibbleXScale; }
 template <bool kSub>
-BF_AI VF nibble_d(VF d) { return kSub ? vf_mul(d, vf_set1(kSubnormalDScale)) : d; }
+BF_AI VF subnormal_d(VF d) { return kSub ? vf_mul(d, vf_set1(kSubnormalDScale)) : d; }
 
 // Q4_0 (w = (q - 8) d: m = -8 d) and Q4_1 (w = q d + m): one tile block per 32 columns.
 template <bool kMin, bool kSub>
@@ -136,7 +136,7 @@ struct DqQ4 {
         const uint8_t* blk = tiles[t] + b * kBlockBytes;
         d[t] = vf_load_f16(blk);
         m[t] = kMin ? vf_load_f16(blk + tile_off::kQ4_1M) : vf_mul(d[t], vf_set1(-8.0f));
-        d[t] = nibble_d<kSub>(d[t]);
+        d[t] = subnormal_d<kSub>(d[t]);
       }
       fold(b, d, m);
     }
@@ -183,7 +183,7 @@ struct DqQ4_K {
       VF d1[NT], m1[NT];
       BF_UNROLL for (int t = 0; t < NT; ++t) {
         scales(tiles[t] + b * kQ4_KTileBlockBytes, j, &d1[t], &m1[t]);
-        d1[t] = nibble_d<kSub>(d1[t]);
+        d1[t] = subnormal_d<kSub>(d1[t]);
       }
       fold(s, d1, m1);
     }
@@ -205,9 +205,25 @@ alignas(64) constexpr uint32_t kSixBitMask[7] = {
     0x3Fu << six_bit_shift(0), 0x3Fu << six_bit_shift(1), 0x3Fu << six_bit_shift(2), 0x3Fu << six_bit_shift(3),
     0x3Fu << six_bit_shift(4), 0x3Fu << six_bit_shift(5), 0x3Fu << six_bit_shift(6)};
 static_assert(six_bit_shift(7) + 6 == 32, "column 7's field is the word's top: one shift takes it out");
-template <int NT, class Code>
+// kSub: the subnormal form (packed.h): columns 0 .. 4 by one and, 5 and 6 shifted to bits 16 ..
+// 21 and anded, 7 shifted down; read as they are.
+template <int NT, bool kSub, class Code>
 BF_AI void six_bit_columns(const VI* a, const VI* b, int64_t k, Code&& code) {
   VF q[NT];
+  if constexpr (kSub) {
+#pragma GCC unroll 5
+    for (int c = 0; c < 5; ++c) {
+      BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(six_bit_word(c) == 0 ? a[t] : b[t], kSixBitMask + c));
+      code(k + c, q);
+    }
+    BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(vi_srl<4>(b[t]), kSixBitMask + 4));
+    code(k + 5, q);
+    BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(vi_srl<8>(a[t]), kSixBitMask + 4));
+    code(k + 6, q);
+    BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_srl<six_bit_shift(7)>(b[t]));
+    code(k + 7, q);
+    return;
+  }
 #pragma GCC unroll 7
   for (int c = 0; c < 7; ++c) {
     BF_UNROLL for (int t = 0; t < NT; ++t) {
@@ -220,11 +236,13 @@ BF_AI void six_bit_columns(const VI* a, const VI* b, int64_t k, Code&& code) {
 }
 
 // Q6_K: per 16-column sub-block, d_s = d sc and m_s = -32 d_s (w = d_s (q - 32)), q the 6-bit
-// codes of the six-bit words: two plain loads per 8 columns, then two operations a column, where
-// the file's split codes (a low nibble and two high bits, bytes widened) took 5-6.
+// codes of the six-bit words: two plain loads per 8 columns, then two operations a column (the
+// subnormal form: 11 per 8 columns), where the file's split codes (a low nibble and two high
+// bits, bytes widened) took 5-6.
+template <bool kSub>
 struct DqQ6_K {
   static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true;
-  static constexpr const float* kXScale = kNibbleXScale;
+  static constexpr const float* kXScale = kSub ? kSubnormalXScaleQ6_K : kNibbleXScale;
   static constexpr int64_t kQB = 16;
   template <int NT, class Code, class Fold>
   BF_AI static void for_each_code(const uint8_t* const* tiles, int64_t k0, int64_t kn, Code&& code, Fold&& fold) {
@@ -238,13 +256,14 @@ struct DqQ6_K {
           wa[t] = vi_load_u32(pair);
           wb[t] = vi_load_u32(pair + 64);
         }
-        six_bit_columns<NT>(wa, wb, s * 16 + 8 * h, code);
+        six_bit_columns<NT, kSub>(wa, wb, s * 16 + 8 * h, code);
       }
       VF ds[NT], nds[NT];
       BF_UNROLL for (int t = 0; t < NT; ++t) {
         const uint8_t* blk = tiles[t] + b * kQ6_KTileBlockBytes;
         ds[t] = vf_mul(vf_load_f16(blk), vi_to_f(vi_load_s8(blk + tile_off::kQ6_KScales + 16 * j)));
         nds[t] = vf_mul(ds[t], vf_set1(-32.0f));
+        ds[t] = subnormal_d<kSub>(ds[t]);
       }
       fold(s, ds, nds);
     }
@@ -839,7 +858,7 @@ BF_AI void run_packed_gemm_as(const TileJob& job) {
     case QType::Q4_1: run_job<DqQ4<true, kSub>>(job); break;
     case QType::Q8_0: run_job<DqQ8_0>(job); break;
     case QType::Q4_K: run_job<DqQ4_K<kSub>>(job); break;
-    case QType::Q6_K: run_job<DqQ6_K>(job); break;
+    case QType::Q6_K: run_job<DqQ6_K<kSub>>(job); break;
   }
 }
 

@@ -240,7 +240,7 @@ void unpack_row(const PackedMatrix& w, int64_t row, uint8_t* raw_row) {
 void packed_gemm_scalar(const TileJob& job) {
   const int64_t K = job.cols, qb = factored_block_elems(job.type), nb = qb > 0 ? K / qb : 0;
   const bool has_min = job.type != QType::Q8_0, words = scaled_codes(job.type);
-  const bool sub = job.subnormal_codes && nibble_words(job.type) && subnormals_read();  // (packed.h)
+  const bool sub = job.subnormal_codes && words && subnormals_read();  // (packed.h)
   const PackedMatrix w{job.w, job.type, job.rows, K};
   const QMatrix one_row{nullptr, job.type, 1, K, K / block_elems(job.type) * block_bytes(job.type)};
   std::vector<uint8_t> raw(static_cast<size_t>(one_row.row_bytes));  // [row_bytes] GGUF row
@@ -268,7 +268,7 @@ void packed_gemm_scalar(const TileJob& job) {
           for (int64_t k = b * qb; k < b * qb + qb; ++k) {  // scaled codes: the SIMD kernels' product
             const float q = wrow[static_cast<size_t>(k)];
             if (sub) {
-              s = std::fma(xi[k] * subnormal_x_scale(k), subnormal_code(q, k), s);
+              s = std::fma(xi[k] * subnormal_x_scale(job.type, k), subnormal_code(job.type, q, k), s);
             } else {
               const float sx = words ? nibble_x_scale(k) : 1.0f, sq = words ? nibble_code_scale(k) : 1.0f;
               s = std::fma(xi[k] * sx, q * sq, s);
