@@ -9,7 +9,8 @@ from backfill.kernels import build
 
 def main() -> int:
     module = build(verbose="-v" in sys.argv)
-    print(f"backfill CPU kernels built; this CPU runs the {module.isa()} kernels")
+    codes = "as subnormal floats" if module.subnormal_codes() else "converted to floats"
+    print(f"backfill CPU kernels built; this CPU runs the {module.isa()} kernels (4-bit codes {codes})")
     return 0
 
 

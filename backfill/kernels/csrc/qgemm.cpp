@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "isa.h"
@@ -161,13 +162,19 @@ bool measure_subnormal_codes() {
 
 std::atomic<int> g_subnormal{-1};  // 0 / 1, or -1 before the first use
 
+// (decided once: the threads of a team that reach it together wait for the first one's answer)
 bool use_subnormal_codes() {
-  int v = g_subnormal.load(std::memory_order_relaxed);
+  int v = g_subnormal.load(std::memory_order_acquire);
   if (v < 0) {
-    const char* env = std::getenv("BACKFILL_SUBNORMAL_CODES");
-    if (env != nullptr && (std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0)) v = env[0] == '1';
-    else v = measure_subnormal_codes() ? 1 : 0;
-    g_subnormal.store(v, std::memory_order_relaxed);
+    static std::mutex deciding;
+    const std::lock_guard<std::mutex> lock(deciding);
+    v = g_subnormal.load(std::memory_order_acquire);
+    if (v < 0) {
+      const char* env = std::getenv("BACKFILL_SUBNORMAL_CODES");
+      if (env != nullptr && (std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0)) v = env[0] == '1';
+      else v = measure_subnormal_codes() ? 1 : 0;
+      g_subnormal.store(v, std::memory_order_release);
+    }
   }
   return v == 1;
 }
@@ -191,7 +198,7 @@ bool set_active_isa(const char* name) {
 }
 
 bool subnormal_codes() { return use_subnormal_codes(); }
-void set_subnormal_codes(bool on) { g_subnormal.store(on ? 1 : 0, std::memory_order_relaxed); }
+void set_subnormal_codes(bool on) { g_subnormal.store(on ? 1 : 0, std::memory_order_release); }
 
 const char* q8_isa() { return q8_kernels().gemm == q8_gemm_avx512vnni ? "avx512vnni" : active_isa(); }
 
