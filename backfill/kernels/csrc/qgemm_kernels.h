@@ -102,8 +102,48 @@ BF_AI void nibble_columns(const VI* v, int64_t k, Code&& code) {
 // nibbles took four per two columns and the shuffle. Q4_1 [3072, 576] on one core of a Zen 4
 // EPYC from cache: 16% faster at 1 row, 11% at 2, 7% at 4, 4% at 8, the same from 16 (AVX2: 3-4%
 // at 1-8 rows); the batch-1 step ~5-10%.
+// The subnormal form with each column's words read again by its AND (from L1) instead of held
+// in registers, where the ISA asks for it (kSubCodesFromMemory: AVX2, 16 registers) and a call
+// takes several tiles (one or two rows). On a Zen 4 forced to AVX2 ([3072, 768], 1 thread, from
+// cache): 1 row 86 -> 76 us (Q4_1) and 92 -> 85 (Q4_K), 2 rows 119 -> 121 and 146 -> 127; a
+// Q4_1 GEMV from memory at 2 threads 34.9 -> 40.2 GB/s; but 6-64 rows (one tile a call) 5-10%
+// slower, so they keep the registers (as AVX-512's 32 do at every row count: its words re-read
+// took a one-row GEMV from cache from 26.4 to 23.4 GB/s). The empty asm keeps the compiler from
+// loading a word once for its 8 columns.
+template <int NT, class Code>
+BF_AI void nibble_codes_from_memory(const uint8_t* const* qs, int64_t k0, Code&& code) {
+  const uint8_t* p[NT];
+  BF_UNROLL for (int t = 0; t < NT; ++t) p[t] = qs[t];
+  VF q[NT];
+  for (int w = 0; w < 4; ++w) {
+    const int64_t k = k0 + 8 * w;
+#pragma GCC unroll 6
+    for (int c = 0; c < 6; ++c) {
+      BF_UNROLL for (int t = 0; t < NT; ++t) {
+        asm("" : "+r"(p[t]));
+        q[t] = vi_as_f(vi_and_bcast(vi_load_u32(p[t] + 64 * w), kNibbleMask + c));
+      }
+      code(k + c, q);
+    }
+    BF_UNROLL for (int t = 0; t < NT; ++t) {
+      asm("" : "+r"(p[t]));
+      q[t] = vi_as_f(vi_and_bcast(vi_srl<4>(vi_load_u32(p[t] + 64 * w)), kNibbleMask + 5));
+    }
+    code(k + 6, q);
+    BF_UNROLL for (int t = 0; t < NT; ++t) {
+      asm("" : "+r"(p[t]));
+      q[t] = vi_as_f(vi_srl<28>(vi_load_u32(p[t] + 64 * w)));
+    }
+    code(k + 7, q);
+  }
+}
+
 template <int NT, bool kSub, class Code>
 BF_AI void nibble_codes(const uint8_t* const* qs, int64_t k0, Code&& code) {
+  if constexpr (kSub && kSubCodesFromMemory && NT >= 2) {
+    nibble_codes_from_memory<NT>(qs, k0, code);
+    return;
+  }
   for (int w = 0; w < 4; ++w) {
     VI v[NT];
     BF_UNROLL for (int t = 0; t < NT; ++t) v[t] = vi_load_u32(qs[t] + 64 * w);

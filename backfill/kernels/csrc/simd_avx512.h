@@ -126,6 +126,8 @@ constexpr int kFusedMaxM = 16;
 constexpr int kFusedGroupMR = 16;
 constexpr int64_t fused_groups_max_m(QType) { return INT64_MAX; }
 constexpr int fused_nt(int mr) { return mr == 1 ? 6 : mr <= 2 ? 4 : mr <= 4 ? 3 : mr <= 8 ? 2 : 1; }
+// The subnormal form keeps the nibble words in registers (qgemm_kernels.h: nibble_codes_from_memory).
+constexpr bool kSubCodesFromMemory = false;
 constexpr int kVfRegs = 32;  // VF registers (32 zmm)
 constexpr int kPanelNT = 2;
 constexpr int kPanelMaxMR = 12;
