@@ -133,8 +133,8 @@ constexpr int64_t fused_groups_max_m(QType type) {
 // Q4_1 / Q4_K (Q8_0 3%, Q6_K the same), two rows 20-45% faster (Q6_K ~20%); 4 tiles at one row
 // and 2 tiles at 3-4 rows spill (1.5x slower).
 constexpr int fused_nt(int mr) { return mr == 1 ? 3 : mr == 2 ? 2 : 1; }
-// The subnormal form reads the nibble words from memory at one and two rows (qgemm_kernels.h:
-// nibble_codes_from_memory).
+// The subnormal form reads the nibble words and Q6_K's six-bit words from memory at one and two
+// rows (qgemm_kernels.h: nibble_codes_from_memory, six_bit_columns_from_memory).
 constexpr bool kSubCodesFromMemory = true;
 constexpr int kVfRegs = 8;  // VF registers (16 ymm: 8 VF)
 constexpr int kPanelNT = 1;

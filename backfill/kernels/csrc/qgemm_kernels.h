@@ -275,6 +275,30 @@ BF_AI void six_bit_columns(const VI* a, const VI* b, int64_t k, Code&& code) {
   code(k + 7, q);
 }
 
+// six_bit_columns' subnormal form with each column's word read again from memory (L1) by its
+// AND, as nibble_codes_from_memory: pair[t] = tile t's word pair (word A, then B 64 bytes on).
+template <int NT, class Code>
+BF_AI void six_bit_columns_from_memory(const uint8_t* const* pair, int64_t k, Code&& code) {
+  const uint8_t* p[NT];
+  BF_UNROLL for (int t = 0; t < NT; ++t) p[t] = pair[t];
+  VF q[NT];
+  const auto word = [&](int t, int w) __attribute__((always_inline)) {
+    asm("" : "+r"(p[t]));
+    return vi_load_u32(p[t] + 64 * w);
+  };
+#pragma GCC unroll 5
+  for (int c = 0; c < 5; ++c) {
+    BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(word(t, six_bit_word(c)), kSixBitMask + c));
+    code(k + c, q);
+  }
+  BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(vi_srl<4>(word(t, 1)), kSixBitMask + 4));
+  code(k + 5, q);
+  BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(vi_srl<8>(word(t, 0)), kSixBitMask + 4));
+  code(k + 6, q);
+  BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_srl<six_bit_shift(7)>(word(t, 1)));
+  code(k + 7, q);
+}
+
 // Q6_K: per 16-column sub-block, d_s = d sc and m_s = -32 d_s (w = d_s (q - 32)), q the 6-bit
 // codes of the six-bit words: two plain loads per 8 columns, then two operations a column (the
 // subnormal form: 11 per 8 columns), where the file's split codes (a low nibble and two high
@@ -290,6 +314,14 @@ struct DqQ6_K {
       const int64_t b = s / 16;
       const int j = static_cast<int>(s % 16);  // scale index; columns 16 j .. 16 j + 15: pairs 2 j, 2 j + 1
       for (int h = 0; h < 2; ++h) {
+        if constexpr (kSub && kSubCodesFromMemory && NT >= 2) {
+          const uint8_t* pairs[NT];
+          BF_UNROLL for (int t = 0; t < NT; ++t) {
+            pairs[t] = tiles[t] + b * kQ6_KTileBlockBytes + tile_off::kQ6_KQs + 128 * (2 * j + h);
+          }
+          six_bit_columns_from_memory<NT>(pairs, s * 16 + 8 * h, code);
+          continue;
+        }
         VI wa[NT], wb[NT];
         BF_UNROLL for (int t = 0; t < NT; ++t) {
           const uint8_t* pair = tiles[t] + b * kQ6_KTileBlockBytes + tile_off::kQ6_KQs + 128 * (2 * j + h);
