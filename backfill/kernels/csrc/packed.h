@@ -79,16 +79,13 @@ constexpr int six_bit_shift(int c) { return c < 7 ? 4 * c : 26; }
 // The types whose column k's code is read as q 2^4c (c = k % 8 in 1 .. 6), x scaled to match: the
 // nibble words and Q6_K's six-bit words.
 inline bool scaled_codes(QType t) { return nibble_words(t) || t == QType::Q6_K; }
-inline float nibble_x_scale(int64_t k) {
-  constexpr float kScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
-  return kScale[k % 8];
-}
+// (by k % 8, for the kernels' x packing)
+constexpr float kNibbleXScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+inline float nibble_x_scale(int64_t k) { return kNibbleXScale[k % 8]; }
 inline float nibble_code_scale(int64_t k) {
   constexpr float kScale[8] = {1.0f, 0x1p4f, 0x1p8f, 0x1p12f, 0x1p16f, 0x1p20f, 0x1p24f, 1.0f};
   return kScale[k % 8];
 }
-// nibble_x_scale(k) by k % 8, for the kernels' x packing.
-constexpr float kNibbleXScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
 
 // The scaled-code types' subnormal form (TileJob::subnormal_codes; qgemm.cpp decides where it
 // runs), told here for the nibble words (Q6_K's six-bit words below).

@@ -68,24 +68,32 @@ struct DqF16 {
 // every column: 16-32 rows ~3% slower).
 alignas(64) constexpr uint32_t kNibbleMask[8] = {0xFu, 0xF0u, 0xF00u, 0xF000u, 0xF0000u, 0xF00000u, 0xF000000u, 0xF0000000u};
 
+// The subnormal form (packed.h) of one nibble word's 8 columns, no conversions: word(t) = tile
+// t's word (held in a register, or loaded again per column: nibble_codes_from_memory).
+template <int NT, class Word, class Code>
+BF_AI void nibble_columns_subnormal(Word&& word, int64_t k, Code&& code) {
+  VF q[NT];
+#pragma GCC unroll 6
+  for (int c = 0; c < 6; ++c) {
+    BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(word(t), kNibbleMask + c));
+    code(k + c, q);
+  }
+  BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(vi_srl<4>(word(t)), kNibbleMask + 5));
+  code(k + 6, q);
+  BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_srl<28>(word(t)));
+  code(k + 7, q);
+}
+
 // Column 8w + c of NT tiles' nibble words v (packed.h): its codes as fp32, q for c = 0 (vf_nib_lo)
 // and c = 7 (shifted down), else q 2^4c, nibble c taken out in place by one and (x is scaled by
-// 2^-4c against it: nibble_x_scale). kSub: the subnormal form (packed.h), no conversions.
+// 2^-4c against it: nibble_x_scale). kSub: the subnormal form.
 template <int NT, bool kSub, class Code>
 BF_AI void nibble_columns(const VI* v, int64_t k, Code&& code) {
-  VF q[NT];
   if constexpr (kSub) {
-#pragma GCC unroll 6
-    for (int c = 0; c < 6; ++c) {
-      BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(v[t], kNibbleMask + c));
-      code(k + c, q);
-    }
-    BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(vi_srl<4>(v[t]), kNibbleMask + 5));
-    code(k + 6, q);
-    BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_srl<28>(v[t]));
-    code(k + 7, q);
+    nibble_columns_subnormal<NT>([&](int t) __attribute__((always_inline)) { return v[t]; }, k, code);
     return;
   }
+  VF q[NT];
   BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vf_nib_lo(v[t]);
   code(k, q);
 #pragma GCC unroll 6
@@ -114,27 +122,12 @@ template <int NT, class Code>
 BF_AI void nibble_codes_from_memory(const uint8_t* const* qs, int64_t k0, Code&& code) {
   const uint8_t* p[NT];
   BF_UNROLL for (int t = 0; t < NT; ++t) p[t] = qs[t];
-  VF q[NT];
   for (int w = 0; w < 4; ++w) {
-    const int64_t k = k0 + 8 * w;
-#pragma GCC unroll 6
-    for (int c = 0; c < 6; ++c) {
-      BF_UNROLL for (int t = 0; t < NT; ++t) {
-        asm("" : "+r"(p[t]));
-        q[t] = vi_as_f(vi_and_bcast(vi_load_u32(p[t] + 64 * w), kNibbleMask + c));
-      }
-      code(k + c, q);
-    }
-    BF_UNROLL for (int t = 0; t < NT; ++t) {
+    const auto word = [&](int t) __attribute__((always_inline)) {
       asm("" : "+r"(p[t]));
-      q[t] = vi_as_f(vi_and_bcast(vi_srl<4>(vi_load_u32(p[t] + 64 * w)), kNibbleMask + 5));
-    }
-    code(k + 6, q);
-    BF_UNROLL for (int t = 0; t < NT; ++t) {
-      asm("" : "+r"(p[t]));
-      q[t] = vi_as_f(vi_srl<28>(vi_load_u32(p[t] + 64 * w)));
-    }
-    code(k + 7, q);
+      return vi_load_u32(p[t] + 64 * w);
+    };
+    nibble_columns_subnormal<NT>(word, k0 + 8 * w, code);
   }
 }
 
@@ -245,25 +238,34 @@ alignas(64) constexpr uint32_t kSixBitMask[7] = {
     0x3Fu << six_bit_shift(0), 0x3Fu << six_bit_shift(1), 0x3Fu << six_bit_shift(2), 0x3Fu << six_bit_shift(3),
     0x3Fu << six_bit_shift(4), 0x3Fu << six_bit_shift(5), 0x3Fu << six_bit_shift(6)};
 static_assert(six_bit_shift(7) + 6 == 32, "column 7's field is the word's top: one shift takes it out");
-// kSub: the subnormal form (packed.h): columns 0 .. 4 by one and, 5 and 6 shifted to bits 16 ..
-// 21 and anded, 7 shifted down; read as they are.
+// The subnormal form (packed.h) of one six-bit word pair's 8 columns: columns 0 .. 4 by one and,
+// 5 and 6 shifted to bits 16 .. 21 and anded, 7 shifted down; read as they are. word(t, w) = tile
+// t's word A (w = 0) or B (1), held in a register or loaded again (six_bit_columns_from_memory).
+template <int NT, class Word, class Code>
+BF_AI void six_bit_columns_subnormal(Word&& word, int64_t k, Code&& code) {
+  VF q[NT];
+#pragma GCC unroll 5
+  for (int c = 0; c < 5; ++c) {
+    BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(word(t, six_bit_word(c)), kSixBitMask + c));
+    code(k + c, q);
+  }
+  BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(vi_srl<4>(word(t, 1)), kSixBitMask + 4));
+  code(k + 5, q);
+  BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(vi_srl<8>(word(t, 0)), kSixBitMask + 4));
+  code(k + 6, q);
+  BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_srl<six_bit_shift(7)>(word(t, 1)));
+  code(k + 7, q);
+}
+
+// kSub: the subnormal form.
 template <int NT, bool kSub, class Code>
 BF_AI void six_bit_columns(const VI* a, const VI* b, int64_t k, Code&& code) {
-  VF q[NT];
   if constexpr (kSub) {
-#pragma GCC unroll 5
-    for (int c = 0; c < 5; ++c) {
-      BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(six_bit_word(c) == 0 ? a[t] : b[t], kSixBitMask + c));
-      code(k + c, q);
-    }
-    BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(vi_srl<4>(b[t]), kSixBitMask + 4));
-    code(k + 5, q);
-    BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(vi_srl<8>(a[t]), kSixBitMask + 4));
-    code(k + 6, q);
-    BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_srl<six_bit_shift(7)>(b[t]));
-    code(k + 7, q);
+    six_bit_columns_subnormal<NT>([&](int t, int w) __attribute__((always_inline)) { return w == 0 ? a[t] : b[t]; },
+                                  k, code);
     return;
   }
+  VF q[NT];
 #pragma GCC unroll 7
   for (int c = 0; c < 7; ++c) {
     BF_UNROLL for (int t = 0; t < NT; ++t) {
@@ -281,22 +283,11 @@ template <int NT, class Code>
 BF_AI void six_bit_columns_from_memory(const uint8_t* const* pair, int64_t k, Code&& code) {
   const uint8_t* p[NT];
   BF_UNROLL for (int t = 0; t < NT; ++t) p[t] = pair[t];
-  VF q[NT];
   const auto word = [&](int t, int w) __attribute__((always_inline)) {
     asm("" : "+r"(p[t]));
     return vi_load_u32(p[t] + 64 * w);
   };
-#pragma GCC unroll 5
-  for (int c = 0; c < 5; ++c) {
-    BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(word(t, six_bit_word(c)), kSixBitMask + c));
-    code(k + c, q);
-  }
-  BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(vi_srl<4>(word(t, 1)), kSixBitMask + 4));
-  code(k + 5, q);
-  BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_and_bcast(vi_srl<8>(word(t, 0)), kSixBitMask + 4));
-  code(k + 6, q);
-  BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_as_f(vi_srl<six_bit_shift(7)>(word(t, 1)));
-  code(k + 7, q);
+  six_bit_columns_subnormal<NT>(word, k, code);
 }
 
 // Q6_K: per 16-column sub-block, d_s = d sc and m_s = -32 d_s (w = d_s (q - 32)), q the 6-bit
