@@ -203,22 +203,30 @@ torch::Tensor inverse_cdf_sample(const torch::Tensor& probs, const torch::Tensor
 
 // run_team's contract (team.h), for tests: every thread of torch's pool meets 2 x `rounds`
 // barriers, each round adding index + 1 to a shared total that every thread checks between the
-// round's two barriers; thread `fail_thread` (-1: none) throws before round `fail_round`.
+// round's two barriers; thread `fail_thread` (-1: none) throws before round `fail_round`. The
+// first barrier of each round is given 4 KB of the thread's own memory to prefetch while it
+// waits, from where the last left off: it must return a pointer whole lines on, never past the end.
 // Returns the team's size; a failure raises here (the other threads stop at their next barrier).
 int64_t team_selftest(int64_t rounds, int64_t fail_thread, int64_t fail_round) {
   std::atomic<int64_t> total{0}, size{0};
-  std::atomic<bool> early{false};
+  std::atomic<bool> early{false}, bad_ahead{false};
   run_team([&](const Team& team) {
     if (team.index == 0) size = team.size;
+    std::vector<uint8_t> mine(static_cast<size_t>(4096 * rounds));
+    const uint8_t* ahead = mine.data();
     for (int64_t r = 0; r < rounds; ++r) {
       TORCH_CHECK(team.index != fail_thread || r != fail_round, "team thread ", team.index, " failed in round ", r);
       total.fetch_add(team.index + 1);
-      team.sync();
+      const uint8_t* end = mine.data() + 4096 * (r + 1);
+      const uint8_t* after = team.sync(ahead, end);
+      if (after < ahead || after > end || (after - ahead) % 64 != 0) bad_ahead = true;
+      ahead = after;
       if (total.load() != (r + 1) * team.size * (team.size + 1) / 2) early = true;
       team.sync();
     }
   });
   TORCH_CHECK(!early, "a team barrier let a thread through before the others arrived");
+  TORCH_CHECK(!bad_ahead, "a team barrier's prefetch went past its range or by part of a line");
   return size;
 }
 

@@ -208,6 +208,17 @@ void repack(const QMatrix& raw, uint8_t* out) {
   at::parallel_for(0, num_tiles(raw.rows), 4, [&](int64_t begin, int64_t end) { repack_tiles(raw, out, begin, end); });
 }
 
+namespace {
+
+// Tiles a thread's range of packed_gemm holds at least: a range is worth a thread from ~100k
+// weight-uses on (dequantization counted as two rows; none with int8 activations).
+int64_t gemm_grain(const PackedMatrix& w, int64_t m) {
+  const bool q8 = w.q8_activations && q8_activation_type(w.type);
+  return std::max<int64_t>(1, (int64_t{1} << 17) / (kTileRows * w.cols * (q8 ? m : m + 2)));
+}
+
+}  // namespace
+
 void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, const float* bias, float* y,
                  int64_t ldy, bool accumulate, const SidePrefetch* side, const Team* team) {
   if (m <= 0 || w.rows <= 0) return;
@@ -217,8 +228,7 @@ void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, 
   if (w.q8_activations && q8_activation_type(w.type)) {
     const Q8Kernels kernels = q8_kernels();
     const Q8Rows xq = quantize_x(kernels, x, m, ldx, w.cols);
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / (kTileRows * w.cols * m));
-    for_share(team, tiles, grain, [&](int64_t begin, int64_t end) {
+    for_share(team, tiles, gemm_grain(w, m), [&](int64_t begin, int64_t end) {
       kernels.gemm(Q8Job{xq, w.data, w.type, w.rows, w.cols, bias, y, ldy, accumulate, begin, end, side,
                          side_lines * begin / tiles, side_lines * end / tiles});
     });
@@ -226,10 +236,7 @@ void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, 
   }
   const JobFn fn = job_fn(isa());
   const bool subnormal = use_subnormal_codes();
-  // A range is worth a thread from ~100k weight-uses on (dequantization counted as two rows).
-  const int64_t tile_work = kTileRows * w.cols * (m + 2);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / tile_work);
-  for_share(team, tiles, grain, [&](int64_t begin, int64_t end) {
+  for_share(team, tiles, gemm_grain(w, m), [&](int64_t begin, int64_t end) {
     TileJob job{x,    m,   ldx,        w.data, w.type, w.rows, w.cols,
                 bias, y,   ldy,        accumulate,     begin,  end,
                 thread_scratch(job_scratch_floats(w.cols)),
@@ -237,6 +244,14 @@ void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, 
     job.subnormal_codes = subnormal;
     fn(job);
   });
+}
+
+void packed_gemm_share(const PackedMatrix& w, int64_t m, const Team& team, const uint8_t** begin,
+                       const uint8_t** end) {
+  const auto [first, last] = team.share(num_tiles(w.rows), gemm_grain(w, m));
+  const int64_t bytes = tile_bytes(w.type, w.cols);
+  *begin = w.data + first * bytes;
+  *end = w.data + last * bytes;
 }
 
 void packed_dequantize_rows(const PackedMatrix& w, const int64_t* rows, int64_t num_rows, float* out,

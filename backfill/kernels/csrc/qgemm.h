@@ -70,6 +70,11 @@ const char* q8_isa();
 // output tiles, and return without a barrier (see team.h).
 void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, const float* bias, float* y,
                  int64_t ldy, bool accumulate, const SidePrefetch* side = nullptr, const Team* team = nullptr);
+// The bytes of w a team thread reads first in packed_gemm(x of m rows, w, .., team): the start and
+// end of its share of the tiles (what a thread waiting at a barrier before it may prefetch).
+// Empty where it has none.
+void packed_gemm_share(const PackedMatrix& w, int64_t m, const Team& team, const uint8_t** begin,
+                       const uint8_t** end);
 // out[i, :] = row rows[i] of W as fp32 (bit-exact with dequantize_row_ref); `team` as packed_gemm's.
 void packed_dequantize_rows(const PackedMatrix& w, const int64_t* rows, int64_t num_rows, float* out,
                             int64_t ld_out, const Team* team = nullptr);

@@ -24,28 +24,45 @@
 
 namespace backfill {
 
+// One cache line into L2 (prefetcht1). A loop of nothing but __builtin_prefetch is one GCC may
+// delete whole (it has no effect the language sees): the asm is volatile.
+inline void prefetch_line(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 // Thrown by a team's sync() in the threads still waiting once another has failed (the failure
 // itself is what run_team rethrows).
 struct TeamAborted {};
 
 // A reusable barrier for the threads of one parallel region: a generation count that the last
 // thread to arrive advances. Waiters spin (a wait lasts the imbalance of one operation, a few
-// microseconds), then yield their core, for a neighbour's thread on a loaded machine.
+// microseconds), then yield their core, for a neighbour's thread on a loaded machine. A waiter
+// given memory it reads next (ahead: [begin, end), advanced as it goes) prefetches it into L2 a
+// line a spin meanwhile: a thread's wait is the other's work, and while one core computes alone
+// the memory bus has room for the other's reads.
 class TeamBarrier {
  public:
   void set_size(int64_t size) { size_.store(size, std::memory_order_relaxed); }
   void fail() { failed_.store(true, std::memory_order_relaxed); }
 
-  void wait() {
+  // Returns `ahead` past the lines it prefetched.
+  const uint8_t* wait(const uint8_t* ahead = nullptr, const uint8_t* ahead_end = nullptr) {
     const int64_t generation = generation_.load(std::memory_order_acquire);
     if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == size_.load(std::memory_order_relaxed)) {
       arrived_.store(0, std::memory_order_relaxed);  // before the release below: the next wait sees it
       generation_.store(generation + 1, std::memory_order_release);
-      return;
+      return ahead;
     }
     for (int64_t spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
       if (failed_.load(std::memory_order_relaxed)) throw TeamAborted{};
-      if (spins < kSpins) {
+      if (ahead < ahead_end) {
+        prefetch_line(ahead);
+        ahead += 64;
+      } else if (spins < kSpins) {
 #if defined(__x86_64__) || defined(__i386__)
         _mm_pause();
 #endif
@@ -53,6 +70,7 @@ class TeamBarrier {
         std::this_thread::yield();
       }
     }
+    return ahead;
   }
 
  private:
@@ -69,8 +87,11 @@ struct Team {
   int64_t size;
   TeamBarrier* barrier;
 
-  // Waits until every thread of the team has called sync() as often as this one.
-  void sync() const { barrier->wait(); }
+  // Waits until every thread of the team has called sync() as often as this one; prefetching
+  // [ahead, ahead_end) meanwhile where given (see TeamBarrier): returns ahead past what it did.
+  const uint8_t* sync(const uint8_t* ahead = nullptr, const uint8_t* ahead_end = nullptr) const {
+    return barrier->wait(ahead, ahead_end);
+  }
 
   // This thread's share [begin, end) of [0, n), cut as at::parallel_for cuts it (OpenMP backend):
   // all of it on thread 0 where n <= grain, else min(size, ceil(n / grain)) equal chunks.
