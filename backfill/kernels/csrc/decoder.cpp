@@ -181,8 +181,11 @@ constexpr int64_t kPrefetchKvSlotsMaxTokens = 4;
 // The most of its share of the next linear's weights a thread prefetches while it waits at a
 // barrier (run_shard): a few microseconds' worth, well inside L2.
 constexpr int64_t kWaitPrefetchBytes = 256 * 1024;
-// Tokens a RoPE + K/V write call is worth a thread for.
+// Tokens a RoPE + K/V write call is worth a thread for over torch's pool (a fork); a team's
+// threads split any two (a decode's write costs ~0.6-1.4 us a token a layer: on one thread of
+// two, batch 8 ran 2% slower, batches 2 and 4 0.6%).
 constexpr int64_t kRopeGrain = 32;
+inline int64_t rope_grain(const Team* team) { return team != nullptr ? 1 : kRopeGrain; }
 // Rows an RMSNorm or SiLU-mul call is worth a thread for.
 constexpr int64_t kNormGrain = 64, kSiluGrain = 16;
 
@@ -730,15 +733,15 @@ class FusedDecoder {
     }
   }
 
-  // The cache lines rope_and_write_kv will write for these tokens (this thread's share of them),
-  // prefetched into L2 as the layer starts: a K value lands on a line of its own (a column of the
-  // [D, block_size] panel), so a token's K write touches D lines a KV head, which, missed one
-  // store at a time, held a decode's RoPE and write ~1.4 us a layer on a Zen 4 EPYC, ~0.7 us
-  // with them prefetched (its attention reads them next anyway).
+  // The cache lines rope_and_write_kv will write for these tokens (this thread's share of them, cut
+  // as it cuts them), prefetched into L2 as the layer starts: a K value lands on a line of its own
+  // (a column of the [D, block_size] panel), so a token's K write touches D lines a KV head,
+  // which, missed one store at a time, held a decode's RoPE and write ~1.4 us a layer on a Zen 4
+  // EPYC, ~0.7 us with them prefetched (its attention reads them next anyway).
   void prefetch_kv_slots(const int64_t* slots, int64_t num_tokens, const AttentionShape& shape, const void* k_cache,
                          const void* v_cache, const Team* team) const {
     const int64_t elem = kv_element_bytes(shape), bs = shape.block_size, panel = bs * head_dim_ * elem;
-    for_share(team, num_tokens, kRopeGrain, [&](int64_t begin, int64_t end) {
+    for_share(team, num_tokens, rope_grain(team), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t block = slots[t] / bs, in_block = slots[t] % bs;
         for (int64_t h = 0; h < num_kv_heads_; ++h) {
@@ -795,7 +798,7 @@ class FusedDecoder {
                          const int64_t* slots, int64_t num_tokens, int64_t block_size, CacheT* k_cache,
                          CacheT* v_cache, const Team* team) const {
     const int64_t d_len = head_dim_, half = head_dim_ / 2, panel = block_size * head_dim_;
-    for_share(team, num_tokens, kRopeGrain, [&](int64_t begin, int64_t end) {
+    for_share(team, num_tokens, rope_grain(team), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         float* row = qkv + t * ld;  // [q heads | k heads | v heads], each [D]
         const float* c = cos + positions[t] * d_len;
