@@ -305,19 +305,18 @@ struct DqQ6_K {
       const int64_t b = s / 16;
       const int j = static_cast<int>(s % 16);  // scale index; columns 16 j .. 16 j + 15: pairs 2 j, 2 j + 1
       for (int h = 0; h < 2; ++h) {
+        const uint8_t* pairs[NT];
+        BF_UNROLL for (int t = 0; t < NT; ++t) {
+          pairs[t] = tiles[t] + b * kQ6_KTileBlockBytes + tile_off::kQ6_KQs + 128 * (2 * j + h);
+        }
         if constexpr (kSub && kSubCodesFromMemory && NT >= 2) {
-          const uint8_t* pairs[NT];
-          BF_UNROLL for (int t = 0; t < NT; ++t) {
-            pairs[t] = tiles[t] + b * kQ6_KTileBlockBytes + tile_off::kQ6_KQs + 128 * (2 * j + h);
-          }
           six_bit_columns_from_memory<NT>(pairs, s * 16 + 8 * h, code);
           continue;
         }
         VI wa[NT], wb[NT];
         BF_UNROLL for (int t = 0; t < NT; ++t) {
-          const uint8_t* pair = tiles[t] + b * kQ6_KTileBlockBytes + tile_off::kQ6_KQs + 128 * (2 * j + h);
-          wa[t] = vi_load_u32(pair);
-          wb[t] = vi_load_u32(pair + 64);
+          wa[t] = vi_load_u32(pairs[t]);
+          wb[t] = vi_load_u32(pairs[t] + 64);
         }
         six_bit_columns<NT, kSub>(wa, wb, s * 16 + 8 * h, code);
       }
