@@ -96,7 +96,9 @@ class Scheduler:
         # static with padding: finished members of the current batch -> their padding row's
         # sequence length (it grows by one every step, as the row would in a fixed-shape batch)
         self._padding_lens: dict[str, int] = {}
-        self._slot_states: list[tuple[str | None, str]] = [(None, SLOT_EMPTY)] * self.max_num_seqs
+        # Per slot, as the last schedule() left them (see slot_states): new lists every step.
+        self._slot_ids: list[str | None] = [None] * self.max_num_seqs
+        self._slot_states: list[str] = [SLOT_EMPTY] * self.max_num_seqs
 
     # ---------------------------------------------------------------- queries
 
@@ -124,7 +126,12 @@ class Scheduler:
         useful: its request was scheduled; idle: held by a request that was not (static: finished
         and waiting for its batch; or starved of budget or blocks); empty: no request.
         """
-        return list(self._slot_states)
+        return list(zip(self._slot_ids, self._slot_states))
+
+    def last_slots(self) -> tuple[list[str | None], list[str]]:
+        """slot_states() as two lists, request ids and states, without a copy: each schedule()
+        makes new ones, so they may be kept (and must not be changed)."""
+        return self._slot_ids, self._slot_states
 
     # --------------------------------------------------------------- requests in
 
@@ -256,12 +263,9 @@ class Scheduler:
             budget -= num_new_tokens
 
         scheduled_ids = {s.request_id for s in scheduled}
-        self._slot_states = [
-            (request_id, SLOT_USEFUL if request_id in scheduled_ids else SLOT_IDLE)
-            if request_id is not None
-            else (None, SLOT_EMPTY)
-            for request_id in self._slots
-        ]
+        self._slot_ids = list(self._slots)
+        self._slot_states = [SLOT_EMPTY if request_id is None else SLOT_USEFUL if request_id in scheduled_ids
+                             else SLOT_IDLE for request_id in self._slot_ids]
         padding_seq_lens: list[int] = []
         if scheduled and self._padding_lens:
             for request_id in self._padding_lens:
@@ -426,15 +430,18 @@ class Scheduler:
         token ends without it: not among them, but in `constraint_failed_request_ids`.
         """
         now = time.monotonic() if now is None else now
-        expected_ids = [s.request_id for s in scheduler_output.scheduled if s.sample]
-        assert runner_output.request_ids == expected_ids, (
-            f"runner sampled for {runner_output.request_ids}, expected {expected_ids}"
-        )
-        assert len(runner_output.sampled_token_ids) == len(expected_ids)
-        sampled_token_ids = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids))
+        # The runner samples for the scheduled requests that sample, in schedule order.
+        sampled_ids, sampled_tokens = runner_output.request_ids, runner_output.sampled_token_ids
+        assert len(sampled_tokens) == len(sampled_ids)
+        num_sampled, token_id = 0, -1
         self.constraint_failed_request_ids = []
         changed: list[Request] = []
         for scheduled in scheduler_output.scheduled:
+            if scheduled.sample:
+                assert num_sampled < len(sampled_ids) and sampled_ids[num_sampled] == scheduled.request_id, (
+                    f"runner sampled for {sampled_ids}, expected {scheduled.request_id!r} at {num_sampled}")
+                token_id = sampled_tokens[num_sampled]
+                num_sampled += 1
             request = self._requests.get(scheduled.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted (or otherwise finished) after this output was scheduled
@@ -442,7 +449,6 @@ class Scheduler:
             self.kv_cache_manager.cache_computed_blocks(request)  # the step wrote these blocks' K/V
             if not scheduled.sample:
                 continue
-            token_id = sampled_token_ids[scheduled.request_id]
             if request.grammar is not None and not request.grammar.accept(token_id):
                 # The mask allowed it, yet the grammar engine took it back: it gave up (a limit
                 # of its own, an unsatisfiable schema) or no allowed token was left to sample.
@@ -460,6 +466,7 @@ class Scheduler:
             if request.check_stop():
                 self._leave_running(request)
                 self._finish(request, now)
+        assert num_sampled == len(sampled_ids), f"runner sampled for {sampled_ids}, {num_sampled} expected"
         return changed
 
     def finish_requests(

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from backfill.config import EngineConfig
 from backfill.core.outputs import ModelRunnerOutput, SchedulerOutput, StepStats
-from backfill.core.scheduler import Scheduler
+from backfill.core.scheduler import SLOT_IDLE, SLOT_USEFUL, Scheduler
 from backfill.engine.messages import CoreInfo, CoreLoad, EngineCoreOutput, EngineCoreRequest
 from backfill.request import FinishReason, Request
 from backfill.structured_output.manager import Grammar, GrammarBitmask, StructuredOutputManager, log_line
@@ -96,7 +96,7 @@ class EngineCore:
         start = time.monotonic()
         failed = self._poll_grammars()
         scheduler_output = self.scheduler.schedule()
-        slot_states = self.scheduler.slot_states()
+        slot_ids, slot_states = self.scheduler.last_slots()
         if scheduler_output.is_empty and self._compiling:
             next(iter(self._compiling.values())).wait(COMPILE_WAIT_S)
         runner_output = self.runner.execute(scheduler_output, self._grammar_bitmask(scheduler_output))
@@ -109,7 +109,7 @@ class EngineCore:
         if self._grammars:
             for request_id in [r for r in self._grammars if self.scheduler.get_request(r) is None]:
                 del self._grammars[request_id]
-        return outputs, self._stats(start, scheduler_output, slot_states)
+        return outputs, self._stats(start, scheduler_output, slot_ids, slot_states)
 
     def _gather_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
         """Append each request's new prompt logprobs. A preempted request computes its prompt
@@ -124,6 +124,8 @@ class EngineCore:
     def _poll_grammars(self) -> list[str]:
         """Mark finished compiles; end (ABORT) the sequences whose grammar failed to compile.
         The front ends check grammars before queuing them, so this is a last resort."""
+        if not self._compiling:
+            return []
         failed = []
         for request_id, grammar in list(self._compiling.items()):
             if grammar.poll():
@@ -154,8 +156,8 @@ class EngineCore:
             num_kv_blocks_cached_free=kv.num_cached_free_blocks,
         )
 
-    def _stats(self, start: float, scheduler_output: SchedulerOutput,
-               slot_states: list[tuple[str | None, str]]) -> StepStats:
+    def _stats(self, start: float, scheduler_output: SchedulerOutput, slot_ids: list[str | None],
+               slot_states: list[str]) -> StepStats:
         num_decode = sum(1 for item in scheduler_output.scheduled if item.num_tokens == 1)
         kv = self.scheduler.kv_cache_manager
         queries, hits = self.scheduler.num_prefix_cache_queries_total, self.scheduler.num_prefix_cache_hits_total
@@ -174,11 +176,11 @@ class EngineCore:
             num_kv_blocks_total=kv.num_blocks,
             num_preempted=len(scheduler_output.preempted_request_ids),
             num_slots=self.config.max_num_seqs,
-            num_slots_useful=sum(1 for _, state in slot_states if state == "useful"),
-            num_slots_idle=sum(1 for _, state in slot_states if state == "idle"),
+            num_slots_useful=slot_states.count(SLOT_USEFUL),
+            num_slots_idle=slot_states.count(SLOT_IDLE),
             num_padding_tokens=len(scheduler_output.padding_seq_lens),
-            slot_request_ids=[request_id for request_id, _ in slot_states],
-            slot_states=[state for _, state in slot_states],
+            slot_request_ids=slot_ids,
+            slot_states=slot_states,
             num_prefix_cache_queries=queries - seen_queries,
             num_prefix_cache_hits=hits - seen_hits,
             num_kv_blocks_cached_free=kv.num_cached_free_blocks,

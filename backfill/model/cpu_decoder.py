@@ -188,7 +188,6 @@ class CpuDecoder:
         self,
         token_ids: list[int],
         positions: list[int],
-        slots: list[int],
         block_tables: list[list[int]],
         kv_caches: list[tuple[Tensor, Tensor]],
         sliding_window: int | None,
@@ -196,17 +195,16 @@ class CpuDecoder:
     ) -> tuple[Tensor | None, list[int]]:
         """A step of decodes (one token a sequence, every one sampling) from plain lists, as
         forward_logits over them computes it: sequence i's token token_ids[i] at position
-        positions[i], its K/V into slot slots[i], its block table block_tables[i]. Returns
-        (logits [S, vocab] fp32, []) or, `greedy`, (None, each row's argmax). No tensor is
-        built in Python: after the weights' stream has left the caches cold, each torch call
-        a step makes costs tens of microseconds (a batch-1 step's Python took ~0.5 ms)."""
+        positions[i], its block table block_tables[i] (its K/V go into the position's slot).
+        Returns (logits [S, vocab] fp32, []) or, `greedy`, (None, each row's argmax). No tensor
+        is built in Python, nor a list per block: after the weights' stream has left the caches
+        cold, each torch call a step makes costs tens of microseconds (a batch-1 step's Python
+        took ~0.5 ms), and each line of Python a few."""
         if kv_caches is not self._bound_caches:
             self._step.bind_kv_caches(kv_caches)
             self._bound_caches = kv_caches
         self._ensure_rope(max(positions))
-        max_blocks = max(len(table) for table in block_tables)
-        flat = [block for table in block_tables for block in table + [0] * (max_blocks - len(table))]
-        return self._step.decode(token_ids, positions, slots, flat, max_blocks, self._rope_cos, self._rope_sin,
+        return self._step.decode(token_ids, positions, block_tables, self._rope_cos, self._rope_sin,
                                  sliding_window or 0, greedy)
 
     def forward_rows(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],

@@ -10,7 +10,6 @@ import torch
 from backfill.config import ConfigError, EngineConfig, default_num_kv_blocks
 from backfill.core.outputs import ModelRunnerOutput, SchedulerOutput
 from backfill import kernels
-from backfill.model.attention import decode_slots
 from backfill.model.cpu_decoder import CpuDecoder, unsupported_reason
 from backfill.model.llama import LlamaForCausalLM
 from backfill.model.loader import load_model, load_stored_weights, resolve_dtype
@@ -266,19 +265,18 @@ class ModelRunner:
         in the same call."""
         assert isinstance(self.model, CpuDecoder)
         scheduled = scheduler_output.scheduled
-        block_size = self.block_size
         request_ids = [item.request_id for item in scheduled]
         token_ids = [item.token_ids[0] for item in scheduled]
         positions = [item.num_computed_tokens for item in scheduled]
         tables = [item.block_ids for item in scheduled]
-        padding_positions, padding_tables = padding_rows(scheduler_output.padding_seq_lens, self.scratch_block,
-                                                         block_size)  # their token: 0
-        token_ids += [0] * len(padding_positions)
-        positions += padding_positions
-        tables += padding_tables
-        slots = decode_slots(tables, positions, block_size)
+        if scheduler_output.padding_seq_lens:
+            padding_positions, padding_tables = padding_rows(scheduler_output.padding_seq_lens, self.scratch_block,
+                                                             self.block_size)  # their token: 0
+            token_ids += [0] * len(padding_positions)
+            positions += padding_positions
+            tables += padding_tables
         greedy = grammar_bitmask is None and self.sampler.plain_greedy(request_ids)
-        logits, tokens = self.model.decode(token_ids, positions, slots, tables, self.kv_caches,
+        logits, tokens = self.model.decode(token_ids, positions, tables, self.kv_caches,
                                            self.model_config.sliding_window, greedy)
         num_sample = len(scheduled)  # the padding rows' come last, dropped
         if not greedy:

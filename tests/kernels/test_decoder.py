@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from backfill import kernels
-from backfill.model.attention import decode_slots
 from backfill.model.config import ModelConfig
 from backfill.model.cpu_decoder import CpuDecoder, LinearWeights, dense_weight
 from backfill.model.quant import QuantSegment, QuantWeight
@@ -295,8 +294,7 @@ def decode_step(driver: PagedDriver, batch: list[tuple[str, int]],
             table.append(driver.free_blocks.pop())
     positions = [driver.num_computed[r] for r, _ in batch]
     tables = [driver.block_tables[r] for r, _ in batch]
-    slots = decode_slots(tables, positions, bs)
-    out = decoder.decode([token for _, token in batch], positions, slots, tables, driver.kv_caches,
+    out = decoder.decode([token for _, token in batch], positions, tables, driver.kv_caches,
                          decoder.config.sliding_window, greedy)
     for request_id, _ in batch:
         driver.num_computed[request_id] += 1
@@ -391,12 +389,14 @@ def test_decode_refuses_bad_lists_and_the_next_step_runs() -> None:
     good step gives the logits it would have."""
     decoder = CpuDecoder.from_dense(tiny_model("gqa2_hd16"))
     caches = decoder.make_kv_caches(4, 8)
-    good = ([5, 7], [3, 9], [3, 8 + 9], [[0], [1, 2]])
+    good = ([5, 7], [3, 9], [[0], [1, 2]])
     expected, _ = decoder.decode(*good, caches, None, False)
     for bad, match in [
         (([5, 101], *good[1:]), "input id 101 out of range"),
-        (([5, 7], [3, 9], [3, 4 * 8], good[3]), "slot 32 out of range"),
-        ((*good[:3], [[0], [1, 4]]), "block id 4 out of range"),
+        (([5, 7], [3, 16], good[2]), "position 16 past its block table"),
+        (([5, 7], [3, -1], good[2]), "position -1 past its block table"),
+        (([5, 7], [3, 9], [[0], [1, 4]]), "slot 33 out of range"),
+        (([5, 7], [3, 9], [[0], [4, 2]]), "block id 4 out of range"),
         (([5], *good[1:]), "one per sequence"),
     ]:
         with pytest.raises(RuntimeError, match=match):

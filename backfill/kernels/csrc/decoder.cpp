@@ -285,32 +285,45 @@ class FusedDecoder {
   }
 
   // A step of decodes (one token a sequence) on the bound caches, from plain lists: sequence i's
-  // token ids[i] at position positions[i] (its seq_len positions[i] + 1), its K/V into slot
-  // slots[i], its block table block_tables[i * max_blocks ..] (0-padded); cos, signed_sin and
-  // window as forward. Every row samples: returns logits [S, vocab] fp32, or with `greedy` each
-  // row's argmax (as torch.argmax: the first maximum) and no logits. The same arithmetic as
-  // forward + logits; what it saves is the Python of a step: no tensor is built to call it.
+  // token ids[i] at position positions[i] (its seq_len positions[i] + 1), its block table
+  // block_tables[i] (covering that position: its K/V go into the position's slot); cos,
+  // signed_sin and window as forward. Every row samples: returns logits [S, vocab] fp32, or with
+  // `greedy` each row's argmax (as torch.argmax: the first maximum) and no logits. The same
+  // arithmetic as forward + logits; what it saves is the Python of a step: no tensor is built to
+  // call it, and the tables are padded and the slots found here.
   std::tuple<torch::Tensor, std::vector<int64_t>> decode(const std::vector<int64_t>& ids,
                                                          const std::vector<int64_t>& positions,
-                                                         const std::vector<int64_t>& slots,
-                                                         const std::vector<int64_t>& block_tables, int64_t max_blocks,
+                                                         const std::vector<std::vector<int64_t>>& block_tables,
                                                          const torch::Tensor& cos, const torch::Tensor& signed_sin,
                                                          int64_t window, bool greedy) {
     std::lock_guard<std::mutex> guard(mutex_);
     const int64_t num_seqs = static_cast<int64_t>(ids.size());
     TORCH_CHECK(!bound_caches_.empty(), "decode needs bind_kv_caches first");
     TORCH_CHECK(num_seqs > 0 && static_cast<int64_t>(positions.size()) == num_seqs &&
-                    static_cast<int64_t>(slots.size()) == num_seqs && max_blocks > 0 &&
-                    static_cast<int64_t>(block_tables.size()) == num_seqs * max_blocks,
-                "decode: ids, positions and slots one per sequence, block_tables [S * max_blocks]");
+                    static_cast<int64_t>(block_tables.size()) == num_seqs,
+                "decode: ids, positions and block tables one per sequence");
     TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim_, "cos must be [P, head_dim]");
+    const int64_t block_size = std::get<0>(bound_caches_[0]).size(3);
+    int64_t max_blocks = 1;
+    for (const std::vector<int64_t>& table : block_tables)
+      max_blocks = std::max(max_blocks, static_cast<int64_t>(table.size()));
+    decode_tables_.assign(static_cast<size_t>(num_seqs * max_blocks), 0);  // [S, max_blocks], 0-padded
+    decode_slots_.resize(static_cast<size_t>(num_seqs));
     decode_seq_lens_.resize(static_cast<size_t>(num_seqs));
     decode_query_start_.resize(static_cast<size_t>(num_seqs + 1));
-    for (size_t i = 0; i <= ids.size(); ++i) decode_query_start_[i] = static_cast<int64_t>(i);
-    for (size_t i = 0; i < ids.size(); ++i) decode_seq_lens_[i] = positions[i] + 1;
-    const StepMeta meta{num_seqs, num_seqs, decode_query_start_.data(), decode_seq_lens_.data(), block_tables.data(),
+    for (int64_t i = 0; i < num_seqs; ++i) {
+      const std::vector<int64_t>& table = block_tables[static_cast<size_t>(i)];
+      const int64_t pos = positions[static_cast<size_t>(i)];
+      TORCH_CHECK(pos >= 0 && pos / block_size < static_cast<int64_t>(table.size()), "position ", pos,
+                  " past its block table (", table.size(), " blocks of ", block_size, ")");
+      std::copy(table.begin(), table.end(), decode_tables_.begin() + i * max_blocks);
+      decode_slots_[static_cast<size_t>(i)] = table[static_cast<size_t>(pos / block_size)] * block_size + pos % block_size;
+      decode_seq_lens_[static_cast<size_t>(i)] = pos + 1;
+    }
+    for (int64_t i = 0; i <= num_seqs; ++i) decode_query_start_[static_cast<size_t>(i)] = i;
+    const StepMeta meta{num_seqs, num_seqs, decode_query_start_.data(), decode_seq_lens_.data(), decode_tables_.data(),
                         max_blocks};
-    run_step({num_seqs, ids.data(), positions.data(), slots.data(), meta, fp32_data(cos, cos.numel(), "cos"),
+    run_step({num_seqs, ids.data(), positions.data(), decode_slots_.data(), meta, fp32_data(cos, cos.numel(), "cos"),
               fp32_data(signed_sin, cos.numel(), "signed_sin"), cos.size(0), window, &bound_caches_});
     float* hidden = ensure(decode_hidden_, num_seqs * hidden_);  // [S, hidden]
     final_norm(nullptr, num_seqs, hidden);
@@ -856,6 +869,7 @@ class FusedDecoder {
   std::vector<float> x_, xn_, qkv_, attn_, gate_up_, act_;  // scratch, see run_step
   std::vector<KVCache> bound_caches_;                             // decode's (bind_kv_caches)
   std::vector<int64_t> decode_seq_lens_, decode_query_start_;     // decode's metadata
+  std::vector<int64_t> decode_tables_, decode_slots_;             // decode's [S, max_blocks] tables, slots
   std::vector<float> decode_hidden_, decode_logits_;              // decode's [S, hidden], greedy [S, vocab]
   bool profile_ = false;
   double linear_s_ = 0.0, attention_s_ = 0.0, other_s_ = 0.0;
@@ -913,8 +927,8 @@ void register_decoder(pybind11::module& m) {
            arg("window"), arg("rows") = py::none())
       .def("logits", &FusedDecoder::logits, nogil, arg("hidden"))
       .def("bind_kv_caches", &FusedDecoder::bind_kv_caches, nogil, arg("kv_caches"))
-      .def("decode", &FusedDecoder::decode, nogil, arg("ids"), arg("positions"), arg("slots"), arg("block_tables"),
-           arg("max_blocks"), arg("cos"), arg("signed_sin"), arg("window"), arg("greedy"))
+      .def("decode", &FusedDecoder::decode, nogil, arg("ids"), arg("positions"), arg("block_tables"), arg("cos"),
+           arg("signed_sin"), arg("window"), arg("greedy"))
       .def("set_profile", &FusedDecoder::set_profile, arg("on"))
       .def_property("kv_prefetch_cap", &FusedDecoder::kv_prefetch_cap, &FusedDecoder::set_kv_prefetch_cap)
       .def_property_readonly("last_kv_prefetch_blocks", &FusedDecoder::last_kv_prefetch_blocks)
