@@ -147,7 +147,8 @@ def block_sum(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
 def test_block_types_compute_the_factored_sum(name: str, isa: str, restore_isa: None) -> None:
     """TileJob's definition, written out from the GGUF blocks: y = fma(S_b, d_b, y), then
-    y = fma(X_b, m_b, y) over the blocks, S_b the fma chain of x * code over the block."""
+    y = fma(X_b, m_b, y) over the blocks, S_b the fma chain of x * code over the block (Q8_0's
+    codes q + 128, its offset -128 d)."""
     use_isa(isa)
     qtype, n, k, raw, packed = packed_case(name, seed=5)
     blocks = raw.numpy().reshape(n, k // 32, -1)  # [N, blocks, bytes]
@@ -156,9 +157,9 @@ def test_block_types_compute_the_factored_sum(name: str, isa: str, restore_isa: 
         m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         qs = blocks[:, :, 4:20]
         codes = np.concatenate([qs & 0xF, qs >> 4], axis=2).astype(np.float32)  # [N, blocks, 32]
-    else:
-        m = None
-        codes = blocks[:, :, 2:34].copy().view(np.int8).astype(np.float32)
+    else:  # the packed tiles hold q + 128 and each block the offset -128 d (packed.h: byte words)
+        m = d * -128.0
+        codes = blocks[:, :, 2:34].copy().view(np.int8).astype(np.float32) + 128.0
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(6))
     xn = x.numpy().reshape(3, k // 32, 32)
     want = np.zeros((3, n), np.float32)
@@ -167,8 +168,7 @@ def test_block_types_compute_the_factored_sum(name: str, isa: str, restore_isa: 
         for j in range(32):
             s = fma32(xn[:, b, j : j + 1], codes[None, :, b, j], s)
         want = fma32(s, d[None, :, b], want)
-        if m is not None:
-            want = fma32(block_sum(xn[:, b])[:, None], m[None, :, b], want)
+        want = fma32(block_sum(xn[:, b])[:, None], m[None, :, b], want)
     got = ext.qlinear(x, packed, qtype, n, k).numpy()
     assert np.array_equal(got.view(np.int32), want.view(np.int32))
 
@@ -189,13 +189,13 @@ def test_isas_are_bit_identical(name: str, restore_isa: None) -> None:
 
 
 @pytest.mark.parametrize("subnormal", [False, True])
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0"])
 def test_scaled_code_types_agree_on_tiny_x(name: str, subnormal: bool, restore_isa: None, restore_subnormal: None) -> None:
-    """The 4-bit types and Q6_K read column k's code as q 2^4c and scale x[k] by 2^-4c (packed.h:
-    scaled_codes, nibble_x_scale): exact for normal x, and where x[k] 2^-4c leaves fp32's normal
-    range (|x| < 2^-102) every ISA and every path (fused, halves, panels) rounds it alike. The
-    same for the 4-bit types' subnormal form (products x q 2^-85, below fp32's normal range for
-    these rows): every ISA rounds them alike."""
+    """The 4-bit types and Q6_K read column k's code as q 2^4c and scale x[k] by 2^-4c, Q8_0 its
+    byte words' u 2^8c and x[k] by 2^-8c (packed.h: scaled_codes, code_x_scale): exact for normal
+    x, and where x[k]'s scaled value leaves fp32's normal range (|x| < 2^-102) every ISA and every
+    path (fused, halves, panels) rounds it alike. The same for the subnormal form (products
+    x q 2^-85, below fp32's normal range for these rows): every ISA rounds them alike."""
     ext.set_subnormal_codes(subnormal)
     qtype, n, k, _, packed = packed_case(name, seed=3)
     x = torch.randn(33, k, generator=torch.Generator().manual_seed(4))
@@ -214,11 +214,12 @@ def test_scaled_code_types_agree_on_tiny_x(name: str, subnormal: bool, restore_i
         assert torch.equal(y, first), isa
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0"])
 def test_subnormal_form_gives_the_nibble_forms_bits(name: str, restore_isa: None, restore_subnormal: None) -> None:
-    """The 4-bit types' and Q6_K's codes read as subnormal floats (packed.h: no int -> float
-    conversion; x scaled by 2^(64 - s_c), d by 2^85) give the scaled codes' bits for every row whose products
-    and code sums stay above 2^-41 (normal x: all of them), on every ISA and at every M."""
+    """The 4-bit types', Q6_K's and Q8_0's codes read as subnormal floats (packed.h: no int ->
+    float conversion; x scaled by 2^(64 - s_c), d by 2^85) give the scaled codes' bits for every
+    row whose products and code sums stay above 2^-41 (normal x: all of them), on every ISA and
+    at every M."""
     qtype, n, k, raw, packed = packed_case(name, seed=6)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(7)) * 3.0
     x[4] *= 1e6  # large rows too (|x| < 2^64)

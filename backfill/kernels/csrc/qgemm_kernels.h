@@ -176,24 +176,45 @@ struct DqQ4 {
   }
 };
 
-// Q8_0: w = q d (int8 q), no offset.
+// Byte words (packed.h): column 4w + c of NT tiles' words v as fp32, u 2^8c for c = 0 .. 2 taken
+// out in place by one and, u for c = 3 (shifted down); kSub: the subnormal form (u 2^(8c - 149),
+// no conversion).
+alignas(64) constexpr uint32_t kByteMask[3] = {0xFFu, 0xFF00u, 0xFF0000u};
+template <int NT, bool kSub, class Code>
+BF_AI void byte_columns(const VI* v, int64_t k, Code&& code) {
+  VF q[NT];
+  BF_UNROLL for (int c = 0; c < 3; ++c) {
+    BF_UNROLL for (int t = 0; t < NT; ++t) {
+      const VI u = vi_and_bcast(v[t], kByteMask + c);
+      q[t] = kSub ? vi_as_f(u) : vi_to_f(u);
+    }
+    code(k + c, q);
+  }
+  BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = kSub ? vi_as_f(vi_srl<24>(v[t])) : vi_to_f(vi_srl<24>(v[t]));
+  code(k + 3, q);
+}
+
+// Q8_0: w = u d + m, u = q + 128 (the byte words' codes), m = -128 d.
+template <bool kSub>
 struct DqQ8_0 {
-  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = false;
-  static constexpr const float* kXScale = nullptr;
+  static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true;
+  static constexpr const float* kXScale = kSub ? kSubnormalXScaleQ8_0 : kByteXScale;
   static constexpr int64_t kQB = QK;
   template <int NT, class Code, class Fold>
   BF_AI static void for_each_code(const uint8_t* const* tiles, int64_t k0, int64_t kn, Code&& code, Fold&& fold) {
     for (int64_t b = k0 / QK; b < (k0 + kn) / QK; ++b) {
-      const uint8_t* qs[NT];
-      BF_UNROLL for (int t = 0; t < NT; ++t) qs[t] = tiles[t] + b * 544 + tile_off::kQ8_0Qs;
-      for (int k = 0; k < QK; ++k) {
-        VF q[NT];
-        BF_UNROLL for (int t = 0; t < NT; ++t) q[t] = vi_to_f(vi_load_s8(qs[t] + 16 * k));
-        code(b * QK + k, q);
+      for (int w = 0; w < QK / 4; ++w) {
+        VI v[NT];
+        BF_UNROLL for (int t = 0; t < NT; ++t) v[t] = vi_load_u32(tiles[t] + b * 544 + tile_off::kQ8_0Qs + 64 * w);
+        byte_columns<NT, kSub>(v, b * QK + 4 * w, code);
       }
-      VF d[NT];
-      BF_UNROLL for (int t = 0; t < NT; ++t) d[t] = vf_load_f16(tiles[t] + b * 544);
-      fold(b, d, d);  // (no offset: the second is not read)
+      VF d[NT], m[NT];
+      BF_UNROLL for (int t = 0; t < NT; ++t) {
+        d[t] = vf_load_f16(tiles[t] + b * 544);
+        m[t] = vf_mul(d[t], vf_set1(-128.0f));
+        d[t] = subnormal_d<kSub>(d[t]);
+      }
+      fold(b, d, m);
     }
   }
 };
@@ -918,13 +939,13 @@ BF_AI void run_packed_gemm_as(const TileJob& job) {
     case QType::F16: run_job<DqF16>(job); break;
     case QType::Q4_0: run_job<DqQ4<false, kSub>>(job); break;
     case QType::Q4_1: run_job<DqQ4<true, kSub>>(job); break;
-    case QType::Q8_0: run_job<DqQ8_0>(job); break;
+    case QType::Q8_0: run_job<DqQ8_0<kSub>>(job); break;
     case QType::Q4_K: run_job<DqQ4_K<kSub>>(job); break;
     case QType::Q6_K: run_job<DqQ6_K<kSub>>(job); break;
   }
 }
 
-// The nibble types in their subnormal form where the job asks for it and this thread's MXCSR
+// The scaled-code types in their subnormal form where the job asks for it and this thread's MXCSR
 // reads subnormals (packed.h).
 BF_AI void run_packed_gemm(const TileJob& job) {
   if (job.subnormal_codes && subnormals_read()) run_packed_gemm_as<true>(job);

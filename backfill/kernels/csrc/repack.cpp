@@ -134,7 +134,7 @@ void raw_put_codes(QType t, const uint8_t* q, uint8_t* b) {
   }
 }
 
-// Where the codes of tile row r go in a tile block (packed.h): nibble words, bytes (Q8_0),
+// Where the codes of tile row r go in a tile block (packed.h): nibble words, byte words (Q8_0),
 // six-bit words (Q6_K).
 void tile_put_codes(QType t, const uint8_t* q, uint8_t* tb, int r) {
   // nibble words: row r's uint32 of word w, byte j = columns 8w + 2j (low) and 8w + 2j + 1
@@ -147,7 +147,7 @@ void tile_put_codes(QType t, const uint8_t* q, uint8_t* tb, int r) {
     case QType::Q4_0: put_words(tile_off::kQ4_0Qs, QK); break;
     case QType::Q4_1: put_words(tile_off::kQ4_1Qs, QK); break;
     case QType::Q8_0:
-      for (int k = 0; k < QK; ++k) tb[tile_off::kQ8_0Qs + 16 * k + r] = q[k];
+      for (int k = 0; k < QK; ++k) tb[tile_off::kQ8_0Qs + 64 * (k / 4) + 4 * r + k % 4] = static_cast<uint8_t>(q[k] ^ 0x80);
       break;
     case QType::Q4_K: put_words(tile_off::kQ4_KQs, QK_K); break;
     case QType::Q6_K:  // six-bit word pairs: words A, B of row r, 64 bytes apart
@@ -173,7 +173,7 @@ void tile_codes(QType t, const uint8_t* tb, int r, uint8_t* q) {
     case QType::Q4_0: get_words(tile_off::kQ4_0Qs, QK); break;
     case QType::Q4_1: get_words(tile_off::kQ4_1Qs, QK); break;
     case QType::Q8_0:
-      for (int k = 0; k < QK; ++k) q[k] = tb[tile_off::kQ8_0Qs + 16 * k + r];
+      for (int k = 0; k < QK; ++k) q[k] = static_cast<uint8_t>(tb[tile_off::kQ8_0Qs + 64 * (k / 4) + 4 * r + k % 4] ^ 0x80);
       break;
     case QType::Q4_K: get_words(tile_off::kQ4_KQs, QK_K); break;
     case QType::Q6_K:
@@ -239,7 +239,7 @@ void unpack_row(const PackedMatrix& w, int64_t row, uint8_t* raw_row) {
 // y = fma(S, d, y), y = fma(X, m, y) (fmaf is correctly rounded, as the SIMD FMAs are).
 void packed_gemm_scalar(const TileJob& job) {
   const int64_t K = job.cols, qb = factored_block_elems(job.type), nb = qb > 0 ? K / qb : 0;
-  const bool has_min = job.type != QType::Q8_0, words = scaled_codes(job.type);
+  const bool words = scaled_codes(job.type);
   const bool sub = job.subnormal_codes && words && subnormals_read();  // (packed.h)
   const PackedMatrix w{job.w, job.type, job.rows, K};
   const QMatrix one_row{nullptr, job.type, 1, K, K / block_elems(job.type) * block_bytes(job.type)};
@@ -247,7 +247,7 @@ void packed_gemm_scalar(const TileJob& job) {
   std::vector<float> wrow(static_cast<size_t>(K));                   // [K] its fp32 weights, or codes
   std::vector<float> d(static_cast<size_t>(nb)), m(static_cast<size_t>(nb));
   std::vector<float> xs(static_cast<size_t>(job.m * nb));  // [m, nb] block sums of x
-  for (int64_t i = 0; i < job.m && has_min; ++i)
+  for (int64_t i = 0; i < job.m; ++i)
     for (int64_t b = 0; b < nb; ++b)
       xs[static_cast<size_t>(i * nb + b)] = block_sum(job.x + i * job.ldx + b * qb, qb);
   const int64_t n_end = std::min(job.tile_end * kTileRows, job.rows);
@@ -270,12 +270,12 @@ void packed_gemm_scalar(const TileJob& job) {
             if (sub) {
               s = std::fma(xi[k] * subnormal_x_scale(job.type, k), subnormal_code(job.type, q, k), s);
             } else {
-              const float sx = words ? nibble_x_scale(k) : 1.0f, sq = words ? nibble_code_scale(k) : 1.0f;
+              const float sx = words ? code_x_scale(job.type, k) : 1.0f, sq = words ? code_scale(job.type, k) : 1.0f;
               s = std::fma(xi[k] * sx, q * sq, s);
             }
           }
           acc = std::fma(s, sub ? d[static_cast<size_t>(b)] * kSubnormalDScale : d[static_cast<size_t>(b)], acc);
-          if (has_min) acc = std::fma(xs[static_cast<size_t>(i * nb + b)], m[static_cast<size_t>(b)], acc);
+          acc = std::fma(xs[static_cast<size_t>(i * nb + b)], m[static_cast<size_t>(b)], acc);
         }
       }
       if (job.bias != nullptr) acc = acc + job.bias[n];
