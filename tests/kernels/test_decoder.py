@@ -395,7 +395,8 @@ def test_decode_refuses_bad_lists_and_the_next_step_runs() -> None:
         (([5, 101], *good[1:]), "input id 101 out of range"),
         (([5, 7], [3, 16], good[2]), "position 16 past its block table"),
         (([5, 7], [3, -1], good[2]), "position -1 past its block table"),
-        (([5, 7], [3, 9], [[0], [1, 4]]), "slot 33 out of range"),
+        (([5, 7], [3, 9], [[0], [1, 4]]), "block id 4 out of range"),
+        (([5, 7], [3, 9], [[0], [1, 2**62]]), "block id 4611686018427387904 out of range"),
         (([5, 7], [3, 9], [[0], [4, 2]]), "block id 4 out of range"),
         (([5], *good[1:]), "one per sequence"),
     ]:

@@ -303,7 +303,7 @@ class FusedDecoder {
                     static_cast<int64_t>(block_tables.size()) == num_seqs,
                 "decode: ids, positions and block tables one per sequence");
     TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim_, "cos must be [P, head_dim]");
-    const int64_t block_size = std::get<0>(bound_caches_[0]).size(3);
+    const int64_t num_blocks = std::get<0>(bound_caches_[0]).size(0), block_size = std::get<0>(bound_caches_[0]).size(3);
     int64_t max_blocks = 1;
     for (const std::vector<int64_t>& table : block_tables)
       max_blocks = std::max(max_blocks, static_cast<int64_t>(table.size()));
@@ -316,8 +316,10 @@ class FusedDecoder {
       const int64_t pos = positions[static_cast<size_t>(i)];
       TORCH_CHECK(pos >= 0 && pos / block_size < static_cast<int64_t>(table.size()), "position ", pos,
                   " past its block table (", table.size(), " blocks of ", block_size, ")");
+      const int64_t block = table[static_cast<size_t>(pos / block_size)];  // (the plan checks the others)
+      TORCH_CHECK(block >= 0 && block < num_blocks, "sequence ", i, ": block id ", block, " out of range");
       std::copy(table.begin(), table.end(), decode_tables_.begin() + i * max_blocks);
-      decode_slots_[static_cast<size_t>(i)] = table[static_cast<size_t>(pos / block_size)] * block_size + pos % block_size;
+      decode_slots_[static_cast<size_t>(i)] = block * block_size + pos % block_size;
       decode_seq_lens_[static_cast<size_t>(i)] = pos + 1;
     }
     for (int64_t i = 0; i <= num_seqs; ++i) decode_query_start_[static_cast<size_t>(i)] = i;
