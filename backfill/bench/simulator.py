@@ -27,7 +27,7 @@ from backfill.bench.cost_model import Calibration, step_shape
 from backfill.bench.metrics import RequestResult, result_from_token_times, summarize
 from backfill.config import EngineConfig
 from backfill.core.outputs import ModelRunnerOutput
-from backfill.core.scheduler import Scheduler
+from backfill.core.scheduler import SLOT_USEFUL, Scheduler
 from backfill.request import Request
 from backfill.sampling_params import SamplingParams
 
@@ -130,7 +130,7 @@ class SimulatedEngine:
         sampling = [s.request_id for s in output.scheduled if s.sample]
         runner_output = ModelRunnerOutput(request_ids=sampling, sampled_token_ids=[SAMPLED_TOKEN_ID] * len(sampling))
         changed = self.scheduler.update_from_output(output, runner_output, end)
-        useful = sum(1 for _, state in self.scheduler.slot_states() if state == "useful")
+        useful = self.scheduler.last_slots()[1].count(SLOT_USEFUL)
         self.useful_slot_seconds += useful * duration
         self.busy_s += duration
         self.num_steps += 1

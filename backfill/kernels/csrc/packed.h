@@ -23,7 +23,7 @@
 // q[r][k] is the element's integer code (k within the block), exactly as ggml defines it.
 // Nibble words (the 4-bit types): a "word" w = 64 bytes, 16 little-endian uint32, the one of row r
 // holding its codes of columns 8w .. 8w + 7, column 8w + c in bits 4c .. 4c + 3. One plain load
-// gives 8 columns of the 16 rows; a kernel takes column c out with one and (see nibble_x_scale).
+// gives 8 columns of the 16 rows; a kernel takes column c out with one and (see code_x_scale).
 //
 // Byte words (Q8_0): word w = 64 bytes, 16 uint32, the one of row r holding its codes of columns
 // 4w .. 4w + 3, column 4w + c in bits 8c .. 8c + 7, each as u = q + 128 (the int8 code's byte with
@@ -85,6 +85,10 @@ inline bool nibble_words(QType t) { return t == QType::Q4_0 || t == QType::Q4_1 
 // read it here): word B (1) for c odd, A (0) for c even; its lowest bit.
 constexpr int six_bit_word(int c) { return c % 2; }
 constexpr int six_bit_shift(int c) { return c < 7 ? 4 * c : 26; }
+// Byte words (Q8_0): where row r's code of column k sits among its block's codes, and what its byte
+// adds to the code (u = q + kByteCodeOffset); repack, the reference and the kernels read them here.
+constexpr int64_t byte_word_offset(int k, int r) { return 64 * (k / 4) + 4 * r + k % 4; }
+constexpr int kByteCodeOffset = 128;
 // The types whose column k's code is read as q 2^4c (c = k % 8 in 1 .. 6), x scaled to match: the
 // nibble words and Q6_K's six-bit words.
 // Q8_0's byte words the same way: column 4w + c read in place as u 2^8c (c = 0 .. 2; c = 3
@@ -168,7 +172,7 @@ inline float block_sum(const float* x, int64_t qb) {
 //   b = 0, 1, ... (from +0) of y = fma(S_b, d_b, y), then y = fma(X_b, m_b, y) (types with an
 //   offset), where S_b is the FMA chain over the block's columns in order (from +0) of x[i, k] q
 //   (the 4-bit types: of x[i, k] 2^-4c times q 2^4c, the same product for every normal x, see
-//   nibble_x_scale) and X_b the block's sum of x[i, k] (block_sum). One FMA per weight and row
+//   code_x_scale) and X_b the block's sum of x[i, k] (block_sum). One FMA per weight and row
 //   where dequantizing first takes two at one row: a decode step's GEMMs are FMA-bound on one
 //   core.
 struct TileJob {

@@ -16,7 +16,7 @@
 // Numbers (the invariant every path keeps, see TileJob): lanes run across 16 output rows. For
 // F32 / F16, y[i, n] is one FMA chain over k = 0 .. K-1 in order on the reference's weights. For
 // the block types, the chain runs over blocks: each block's codes times x in a chain of their
-// own (S; the scaled-code types' products scaled, see nibble_x_scale), folded in as y = fma(S, d, y),
+// own (S; the scaled-code types' products scaled, see code_x_scale), folded in as y = fma(S, d, y),
 // y = fma(X, m, y) with the block's scale and offset, d and m computed as dequantize_row_ref
 // computes them ("exact product, one rounding": the fp16 scale times a small integer fits
 // fp32's 24 bits). Blocking (how many rows / tiles per kernel call, panels or registers,
@@ -34,7 +34,7 @@ namespace {
 // k0 + 1, .., k0 + kn - 1 in order, w[t] the 16 weights (fp32) of tiles[t] at column k. The
 // block types: for_each_code (below).
 
-// kXScale: x[k]'s scale against column k's code, by k % 8 (packed.h: nibble_x_scale,
+// kXScale: x[k]'s scale against column k's code, by k % 8 (packed.h: code_x_scale,
 // subnormal_x_scale), or null (x as it is).
 struct DqF32 {
   static constexpr bool kIsPanel = true;  // a tile is already a [K][16] fp32 panel: nothing to do
@@ -86,7 +86,7 @@ BF_AI void nibble_columns_subnormal(Word&& word, int64_t k, Code&& code) {
 
 // Column 8w + c of NT tiles' nibble words v (packed.h): its codes as fp32, q for c = 0 (vf_nib_lo)
 // and c = 7 (shifted down), else q 2^4c, nibble c taken out in place by one and (x is scaled by
-// 2^-4c against it: nibble_x_scale). kSub: the subnormal form.
+// 2^-4c against it: code_x_scale). kSub: the subnormal form.
 template <int NT, bool kSub, class Code>
 BF_AI void nibble_columns(const VI* v, int64_t k, Code&& code) {
   if constexpr (kSub) {
@@ -211,7 +211,7 @@ struct DqQ8_0 {
       VF d[NT], m[NT];
       BF_UNROLL for (int t = 0; t < NT; ++t) {
         d[t] = vf_load_f16(tiles[t] + b * 544);
-        m[t] = vf_mul(d[t], vf_set1(-128.0f));
+        m[t] = vf_mul(d[t], vf_set1(-static_cast<float>(kByteCodeOffset)));
         d[t] = subnormal_d<kSub>(d[t]);
       }
       fold(b, d, m);

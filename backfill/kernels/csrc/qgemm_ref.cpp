@@ -3,6 +3,7 @@
 #include <cstring>
 #include <vector>
 
+#include "packed.h"
 #include "qgemm.h"
 
 namespace backfill {
@@ -189,8 +190,8 @@ void factored_row_ref(const QMatrix& w, int64_t row, float* q, float* d, float* 
       const auto* b = reinterpret_cast<const BlockQ8_0*>(src);
       for (int64_t i = 0; i < nb; ++i, q += QK) {
         d[i] = fp16_to_fp32(b[i].d);
-        m[i] = d[i] * -128.0f;  // the packed tiles' codes are q + 128 (packed.h)
-        for (int j = 0; j < QK; ++j) q[j] = static_cast<float>(b[i].qs[j] + 128);
+        m[i] = d[i] * -static_cast<float>(kByteCodeOffset);  // the packed tiles' codes are q + 128 (packed.h)
+        for (int j = 0; j < QK; ++j) q[j] = static_cast<float>(b[i].qs[j] + kByteCodeOffset);
       }
       break;
     }

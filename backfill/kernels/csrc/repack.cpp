@@ -147,7 +147,7 @@ void tile_put_codes(QType t, const uint8_t* q, uint8_t* tb, int r) {
     case QType::Q4_0: put_words(tile_off::kQ4_0Qs, QK); break;
     case QType::Q4_1: put_words(tile_off::kQ4_1Qs, QK); break;
     case QType::Q8_0:
-      for (int k = 0; k < QK; ++k) tb[tile_off::kQ8_0Qs + 64 * (k / 4) + 4 * r + k % 4] = static_cast<uint8_t>(q[k] ^ 0x80);
+      for (int k = 0; k < QK; ++k) tb[tile_off::kQ8_0Qs + byte_word_offset(k, r)] = static_cast<uint8_t>(q[k] + kByteCodeOffset);
       break;
     case QType::Q4_K: put_words(tile_off::kQ4_KQs, QK_K); break;
     case QType::Q6_K:  // six-bit word pairs: words A, B of row r, 64 bytes apart
@@ -173,7 +173,7 @@ void tile_codes(QType t, const uint8_t* tb, int r, uint8_t* q) {
     case QType::Q4_0: get_words(tile_off::kQ4_0Qs, QK); break;
     case QType::Q4_1: get_words(tile_off::kQ4_1Qs, QK); break;
     case QType::Q8_0:
-      for (int k = 0; k < QK; ++k) q[k] = static_cast<uint8_t>(tb[tile_off::kQ8_0Qs + 64 * (k / 4) + 4 * r + k % 4] ^ 0x80);
+      for (int k = 0; k < QK; ++k) q[k] = static_cast<uint8_t>(tb[tile_off::kQ8_0Qs + byte_word_offset(k, r)] - kByteCodeOffset);
       break;
     case QType::Q4_K: get_words(tile_off::kQ4_KQs, QK_K); break;
     case QType::Q6_K:
