@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from backfill.bench.divergence import VARIANTS
 from backfill.bench.plots import MissingExtraError, require_matplotlib
 from backfill.bench.workloads import ARRIVAL_KINDS, WORKLOAD_KINDS, WorkloadRequest, WorkloadSpec
 from backfill.config import POLICIES, EngineConfig
@@ -177,7 +178,7 @@ def add_bench_subparser(subparsers: Any) -> None:
     divergence = commands.add_parser(
         "divergence", help="what --activation-quantization int8 or a 16-bit --kv-cache-dtype changes: greedy "
                            "agreement and logit error vs the exact fp32 path")
-    divergence.add_argument("--variant", choices=("int8-activations", "bf16-kv-cache", "fp16-kv-cache"),
+    divergence.add_argument("--variant", choices=tuple(VARIANTS),
                             default="int8-activations",
                             help="the opt-in path measured against the exact one")
     divergence.add_argument("--num-prompts", type=int, default=32)

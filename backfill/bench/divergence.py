@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from backfill.config import EngineConfig
 from backfill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+# (torch and numpy imported where used: the CLI reads VARIANTS for its --variant choices)
 
 
 # Each variant as the engine fields it sets (the exact path: activation_quantization "none",
@@ -58,6 +60,8 @@ class Divergence:
 
 
 def make_prompts(num_prompts: int, min_words: int, max_words: int, seed: int) -> list[str]:
+    import numpy as np
+
     from backfill.bench.workloads import make_prompt
 
     rng = np.random.default_rng(seed)
@@ -84,10 +88,14 @@ def _agreed_prefix(a: list[int], b: list[int]) -> int:
 
 
 def teacher_forced_logits(decoder: Any, token_ids: list[int], block_size: int = 16,
-                          kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                          kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Logits [T, V] of every position of `token_ids` run as one prompt through `decoder`, over
-    KV caches of `kv_dtype`."""
+    KV caches of `kv_dtype` (None: fp32)."""
+    import torch
+
     from backfill.model.attention import build_attention_metadata
+
+    kv_dtype = torch.float32 if kv_dtype is None else kv_dtype
 
     num_tokens = len(token_ids)
     num_blocks = math.ceil(num_tokens / block_size)
@@ -101,6 +109,8 @@ def teacher_forced_logits(decoder: Any, token_ids: list[int], block_size: int = 
 def measure_divergence(config: EngineConfig, num_prompts: int, max_tokens: int, seed: int,
                        prompt_words: tuple[int, int] = (8, 160), variant: str = "int8-activations") -> Divergence:
     from dataclasses import replace
+
+    import torch
 
     from backfill.model.cpu_decoder import load_cpu_decoder
 
