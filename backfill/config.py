@@ -19,7 +19,13 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # "int8" / "fp16" store the matrices weight-only in Q8_0 blocks / fp16.
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "fp16")
 ACTIVATION_QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16")
+# The KV cache's element types past "auto", as the torch dtypes that hold them (by attribute
+# name: this module imports no torch). "fp8" is E4M3, as vLLM's.
+KV_CACHE_TORCH_DTYPES: dict[str, str] = {
+    "bfloat16": "bfloat16", "float16": "float16",
+    "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+}
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", *KV_CACHE_TORCH_DTYPES)
 # Per device: units of prompt work a step may add while other requests decode (see
 # EngineConfig.prefill_budget). On a CPU a step's cost grows linearly with its tokens: a decode
 # step of 8 streams costs ~9 token-units there, so 16 more keep a chunked step within ~3x of a
@@ -76,7 +82,10 @@ class EngineConfig:
     # The KV cache's element type: "auto" is the activations' (`dtype`); opt-in, not exact on the
     # CPU kernels (fp32 activations): "bfloat16" / "float16" store K and V rounded to 16 bits, half
     # the bytes (twice the tokens in the same memory, half of a long context's attention reads);
-    # float16 keeps 3 more significand bits, and clamps values past +-65,504.
+    # float16 keeps 3 more significand bits, and clamps values past +-65,504. "fp8" (= "fp8_e4m3")
+    # / "fp8_e5m2" store them in 8 bits (a quarter of fp32's bytes), rounded to 3 / 2 significand
+    # bits and clamped past +-448 / +-57,344, with no scale (as vLLM's fp8 cache without
+    # calibrated scales): coarser, see `backfill bench divergence`.
     kv_cache_dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0  # seeds the unseeded sampling stream, so a whole run is reproducible
@@ -147,7 +156,8 @@ class EngineConfig:
         add("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
             help="KV cache elements; auto: the activations' dtype (exact); bfloat16 / float16: K and V "
                  "rounded to 16 bits on the CPU kernels (half the KV memory and attention reads, not exact; "
-                 "float16 is closer, and clamps past +-65504)")
+                 "float16 is closer, and clamps past +-65504); fp8 (= fp8_e4m3) / fp8_e5m2: 8 bits, a "
+                 "quarter of float32's (coarser; clamps past +-448 / +-57344)")
         add("--device", help="cpu or cuda[:N]")
         add("--seed", type=int, help="seeds the sampling of requests without a seed of their own")
         add("--num-threads", type=int, help="torch CPU threads (default: torch's choice)")

@@ -3,11 +3,14 @@
 kernel alone vs the Python paged attention.
 
     python -m backfill.bench.decoder_step [--batches 1 8 32] [--context 128] [--repeats 5] [--threads N]
+                                          [--paths python fused-q fused-q-int8 fused-f32]
+                                          [--kv-cache-dtypes bfloat16 float16 fp8_e4m3 fp8_e5m2]
 
 A step is forward + LM head over the last row of each sequence, every sequence decoding one
 token after `context` cached tokens. The fused step runs three ways: on the GGUF's own blocks
 (Q4_1 / Q8_0, the product path), the same with int8 activations (the opt-in
-`--activation-quantization int8`), and on F32 blocks (CpuDecoder.from_dense). Its time is split
+`--activation-quantization int8`), and on F32 blocks (CpuDecoder.from_dense); `--kv-cache-dtypes`
+adds the first over caches of those types (`--kv-cache-dtype`). Its time is split
 into linears (LM head included), attention and the rest (norms, RoPE + KV write, SiLU,
 embedding), measured inside the C++ step; the Python path's row shows its linears timed alone
 and the rest (total - linears). Figures are min / median over interleaved repeats. Last, a
@@ -24,9 +27,10 @@ from collections.abc import Callable
 import torch
 
 from backfill import kernels
+from backfill.config import KV_CACHE_DTYPES
 from backfill.model.attention import build_attention_metadata, paged_attention
 from backfill.model.cpu_decoder import CpuDecoder
-from backfill.model.loader import load_model, load_stored_weights
+from backfill.model.loader import kv_cache_torch_dtype, load_model, load_stored_weights
 
 
 def _timed(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
@@ -38,7 +42,11 @@ def _timed(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
     return min(times), statistics.median(times)
 
 
-def bench_steps(batches: list[int], context: int, repeats: int, block_size: int = 16) -> None:
+PATHS = ("python", "fused-q", "fused-q-int8", "fused-f32")
+
+
+def bench_steps(batches: list[int], context: int, repeats: int, block_size: int = 16,
+                paths: tuple[str, ...] = PATHS, kv_cache_dtypes: tuple[str, ...] = ()) -> None:
     model = load_model(None, torch.float32, torch.device("cpu"))
     fused_f32 = CpuDecoder.from_dense(model)
     model.prepack_weights()
@@ -48,20 +56,25 @@ def bench_steps(batches: list[int], context: int, repeats: int, block_size: int 
     print(f"fused step kernels: {fused_q.kernels} (linears: {kernels.extension().isa()}), "
           f"{torch.get_num_threads()} threads, context {context}")
     blocks_per_seq = -(-(context + 1) // block_size)
-    print(f"{'batch':>5} {'path':>12} {'min ms':>9} {'median ms':>10} {'linear':>8} {'attention':>10} {'other':>7}")
+    print(f"{'batch':>5} {'path':>20} {'min ms':>9} {'median ms':>10} {'linear':>8} {'attention':>10} {'other':>7}")
     for batch in batches:
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
         positions, meta = build_attention_metadata([context] * batch, [1] * batch, tables, block_size,
                                                    torch.device("cpu"))
         input_ids = torch.randint(0, config.vocab_size, (batch,))  # [B]
         rows = torch.arange(batch)  # [B], every row samples
-        caches = {name: m.make_kv_caches(batch * blocks_per_seq, block_size)
-                  for name, m in (("python", model), ("fused-q", fused_q), ("fused-q-int8", fused_i8),
-                                  ("fused-f32", fused_f32))}
+        decoders = {"fused-q": fused_q, "fused-q-int8": fused_i8, "fused-f32": fused_f32}
+        decoders = {name: d for name, d in decoders.items() if name in paths}
+        decoders.update({f"fused-q kv {kv}": fused_q for kv in kv_cache_dtypes})
+        kv_of = {f"fused-q kv {kv}": kv for kv in kv_cache_dtypes}  # (the others: fp32)
+        caches = {name: d.make_kv_caches(batch * blocks_per_seq, block_size,
+                                         kv_cache_torch_dtype(kv_of.get(name, "auto"), torch.float32))
+                  for name, d in decoders.items()}
+        caches["python"] = model.make_kv_caches(batch * blocks_per_seq, block_size)
         for cache in caches.values():
             for k, v in cache:
-                k.normal_()
-                v.normal_()
+                k.copy_(torch.randn(k.shape))
+                v.copy_(torch.randn(v.shape))
 
         @torch.inference_mode()
         def python_step() -> None:
@@ -71,15 +84,16 @@ def bench_steps(batches: list[int], context: int, repeats: int, block_size: int 
         def fused_step(decoder: CpuDecoder, name: str) -> Callable[[], object]:
             return lambda: decoder.forward_logits(input_ids, positions, caches[name], meta, rows)
 
-        decoders = {"fused-q": fused_q, "fused-q-int8": fused_i8, "fused-f32": fused_f32}
-        steps = {"python": python_step, **{name: fused_step(d, name) for name, d in decoders.items()}}
+        steps = {name: fused_step(d, name) for name, d in decoders.items()}
+        if "python" in paths:
+            steps = {"python": python_step, **steps}
         for step in steps.values():  # warm-up: scratch buffers, caches
             step()
         results: dict[str, list[float]] = {name: [] for name in steps}
         for _ in range(repeats):  # interleaved, so machine noise hits every path alike
             for name, step in steps.items():
                 results[name].append(_timed(step, 1)[0])
-        linears = _python_linears(model, batch, repeats)
+        linears = _python_linears(model, batch, repeats) if "python" in paths else 0.0
         for name, times in results.items():
             split = f"{linears * 1e3:8.2f} {'':>10} {(min(times) - linears) * 1e3:7.2f}" if name == "python" else ""
             if name != "python":
@@ -89,7 +103,7 @@ def bench_steps(batches: list[int], context: int, repeats: int, block_size: int 
                 prof = decoder.profile()
                 decoder.set_profile(False)
                 split = f"{prof['linear'] * 1e3:8.2f} {prof['attention'] * 1e3:10.2f} {prof['other'] * 1e3:7.2f}"
-            print(f"{batch:>5} {name:>12} {min(times) * 1e3:9.2f} {statistics.median(times) * 1e3:10.2f} {split}")
+            print(f"{batch:>5} {name:>20} {min(times) * 1e3:9.2f} {statistics.median(times) * 1e3:10.2f} {split}")
 
 
 @torch.inference_mode()
@@ -174,6 +188,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--skip-steps", action="store_true", help="only the attention comparison")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="the steps to time")
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=[], choices=[k for k in KV_CACHE_DTYPES if k != "auto"],
+                        help="also the fused step on the GGUF's blocks over KV caches of these types")
+    parser.add_argument("--skip-attention", action="store_true", help="only the steps")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -181,9 +199,11 @@ def main() -> int:
         print("the CPU kernels extension is unavailable")
         return 1
     if not args.skip_steps:
-        bench_steps(args.batches, args.context, args.repeats)
-    bench_attention(args.repeats * 4)
-    bench_padding_rows(args.repeats * 3)
+        bench_steps(args.batches, args.context, args.repeats, paths=tuple(args.paths),
+                    kv_cache_dtypes=tuple(args.kv_cache_dtypes))
+    if not args.skip_attention:
+        bench_attention(args.repeats * 4)
+        bench_padding_rows(args.repeats * 3)
     return 0
 
 

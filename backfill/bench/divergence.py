@@ -1,9 +1,10 @@
 """What an opt-in, inexact variant of the CPU kernels changes against the exact fp32 path (the
 default, parity-tested against transformers' fp32 model): int8 activations
-(`--activation-quantization int8`, csrc/q8.h) or a 16-bit KV cache (`--kv-cache-dtype
-bfloat16|float16`):
+(`--activation-quantization int8`, csrc/q8.h) or a 16- or 8-bit KV cache (`--kv-cache-dtype
+bfloat16|float16|fp8_e4m3|fp8_e5m2`):
 
-    backfill bench divergence [--variant int8-activations|bf16-kv-cache|fp16-kv-cache] [--num-prompts 32]
+    backfill bench divergence [--variant int8-activations|bf16-kv-cache|fp16-kv-cache|fp8-e4m3-kv-cache|
+                               fp8-e5m2-kv-cache] [--num-prompts 32]
                               [--max-tokens 64] [--seed 0] [--model M]
 
 - Greedy agreement: every prompt generated greedily by two engines, one per mode; the share of
@@ -38,9 +39,12 @@ VARIANTS: dict[str, dict[str, str]] = {
     "int8-activations": {"activation_quantization": "int8"},
     "bf16-kv-cache": {"kv_cache_dtype": "bfloat16"},
     "fp16-kv-cache": {"kv_cache_dtype": "float16"},
+    "fp8-e4m3-kv-cache": {"kv_cache_dtype": "fp8_e4m3"},
+    "fp8-e5m2-kv-cache": {"kv_cache_dtype": "fp8_e5m2"},
 }
 _TITLES = {"int8-activations": "int8 activations", "bf16-kv-cache": "a bf16 KV cache",
-           "fp16-kv-cache": "an fp16 KV cache"}
+           "fp16-kv-cache": "an fp16 KV cache", "fp8-e4m3-kv-cache": "an fp8 (E4M3) KV cache",
+           "fp8-e5m2-kv-cache": "an fp8 (E5M2) KV cache"}
 _EXACT = {"activation_quantization": "none", "kv_cache_dtype": "auto"}
 
 
@@ -113,6 +117,7 @@ def measure_divergence(config: EngineConfig, num_prompts: int, max_tokens: int, 
     import torch
 
     from backfill.model.cpu_decoder import load_cpu_decoder
+    from backfill.model.loader import kv_cache_torch_dtype
 
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
@@ -127,7 +132,7 @@ def measure_divergence(config: EngineConfig, num_prompts: int, max_tokens: int, 
     decoder = load_cpu_decoder(config.model, config.quantization)
     max_err = total_err = max_logit = 0.0
     positions = agree = 0
-    kv_dtype = getattr(torch, variant_config.kv_cache_dtype) if variant_config.kv_cache_dtype != "auto" else torch.float32
+    kv_dtype = kv_cache_torch_dtype(variant_config.kv_cache_dtype, torch.float32)
     for ids, out in zip(prompt_ids, reference):
         decoder.activation_quantization = "none"
         exact = teacher_forced_logits(decoder, ids + out)  # [T, V]

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from backfill.config import KV_CACHE_TORCH_DTYPES
 from backfill.model.config import ModelConfig
 from backfill.model.llama import LlamaForCausalLM
 from backfill.model.quant import (F16, F32, KERNEL_TYPES, Q8_0, QuantSegment, QuantWeight, as_raw_rows, dequantize_raw,
@@ -53,6 +54,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         # elsewhere torch emulates bf16 matmuls, ~3x slower than fp32.
         return preferred_dtype(device)
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def kv_cache_torch_dtype(name: str, activations: torch.dtype) -> torch.dtype:
+    """An EngineConfig.kv_cache_dtype name as a torch dtype ("auto": the activations')."""
+    return activations if name == "auto" else getattr(torch, KV_CACHE_TORCH_DTYPES[name])
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:

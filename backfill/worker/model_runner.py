@@ -12,7 +12,7 @@ from backfill.core.outputs import ModelRunnerOutput, SchedulerOutput
 from backfill import kernels
 from backfill.model.cpu_decoder import CpuDecoder, unsupported_reason
 from backfill.model.llama import LlamaForCausalLM
-from backfill.model.loader import load_model, load_stored_weights, resolve_dtype
+from backfill.model.loader import kv_cache_torch_dtype, load_model, load_stored_weights, resolve_dtype
 from backfill.model.prepack import prepack_supported
 from backfill.model.static_decode import varlen_supported
 from backfill.worker.cuda_graph import CudaGraphRunner, DecodeInputs, decode_inputs
@@ -143,11 +143,9 @@ class ModelRunner:
         return attention / (2 * linear)
 
     def _kv_cache_dtype(self) -> torch.dtype:
-        """The KV cache's element type: the activations' ("auto"), or a 16-bit one where the CPU kernels
-        read it (they widen each element to fp32; the plain-PyTorch model has no such path)."""
-        if self.config.kv_cache_dtype == "auto":
-            return self.dtype
-        kv_dtype = getattr(torch, self.config.kv_cache_dtype)
+        """The KV cache's element type: the activations' ("auto"), or a 16- or 8-bit one where the CPU
+        kernels read it (they widen each element to fp32; the plain-PyTorch model has no such path)."""
+        kv_dtype = kv_cache_torch_dtype(self.config.kv_cache_dtype, self.dtype)
         if kv_dtype != self.dtype and not isinstance(self.model, CpuDecoder):
             raise ConfigError(f"kv_cache_dtype={self.config.kv_cache_dtype!r} with {self.dtype} activations "
                               f"runs on the CPU kernels only (device {self.config.device}, dtype "

@@ -71,7 +71,7 @@ def test_bad_values_raise_value_error(argv: list[str]) -> None:
         EngineConfig.from_cli_args(args)
 
 
-@pytest.mark.parametrize("argv", [["--policy", "greedy"], ["--scheduling-policy", "lifo"], ["--dtype", "int4"], ["--quantization", "q2"], ["--kv-cache-dtype", "fp8"],
+@pytest.mark.parametrize("argv", [["--policy", "greedy"], ["--scheduling-policy", "lifo"], ["--dtype", "int4"], ["--quantization", "q2"], ["--kv-cache-dtype", "fp4"],
                                   ["--max-num-seqs", "many"]])
 def test_values_outside_the_choices_are_usage_errors(argv: list[str]) -> None:
     with pytest.raises(SystemExit):

@@ -70,46 +70,56 @@ def test_wide_heads_match_naive(case: str, num_heads: int, num_kv_heads: int, he
     torch.testing.assert_close(fused(q, k_cache, v_cache, meta), expected, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (8, 2, 16, 5), (6, 2, 24, 16), (4, 1, 12, 7), (8, 2, 128, 16)],
 )
-def test_16bit_caches_read_as_their_fp32_values(case: str, num_heads: int, num_kv_heads: int, head_dim: int,
-                                                block_size: int, window: int | None, dtype: torch.dtype) -> None:
-    """bf16 / fp16 caches (kv_cache_dtype) give the bits fp32 caches holding the same rounded
-    values give, in every layout (decodes, chunks, a block size the SIMD width does not divide)
-    and SIMD variant: the kernels widen each element exactly, nothing else changes."""
+def test_narrow_caches_read_as_their_fp32_values(case: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                                                 block_size: int, window: int | None, dtype: torch.dtype) -> None:
+    """bf16 / fp16 / fp8 caches (kv_cache_dtype) give the bits fp32 caches holding the same
+    rounded values give, in every layout (decodes, chunks, a block size the SIMD width does not
+    divide) and SIMD variant: the kernels widen each element exactly, nothing else changes."""
     q, k_cache, v_cache, meta = random_step(case, num_heads, num_kv_heads, head_dim, block_size, window)
-    k16, v16 = k_cache.to(dtype), v_cache.to(dtype)  # [blocks, bs, Hkv, D]
-    expected = fused(q, k16.float(), v16.float(), meta, window)  # [T, H, D]
-    assert torch.equal(fused(q, k16, v16, meta, window), expected)
+    k_narrow, v_narrow = k_cache.to(dtype), v_cache.to(dtype)  # [blocks, bs, Hkv, D]
+    expected = fused(q, k_narrow.float(), v_narrow.float(), meta, window)  # [T, H, D]
+    assert torch.equal(fused(q, k_narrow, v_narrow, meta, window), expected)
 
 
-def test_fp16_widening_is_exact_for_every_half() -> None:
-    """Every one of the 65,536 halves (normals, subnormals, zeros, infinities, NaNs) read from an
-    fp16 V cache as torch widens it: one key of weight 1, so the output row is its V row."""
-    check_fp16_widening()
+def test_widening_is_exact_for_every_code() -> None:
+    """Every one of the 65,536 halves and of the 256 codes of each fp8 type (normals,
+    subnormals, zeros, infinities, NaNs) read from a V cache as torch widens it: one key of
+    weight 1, so the output row is its V row."""
+    check_widening()
 
 
 @pytest.mark.parametrize("isa", ["avx2", "scalar"])
-def test_fp16_widening_lower_isa(isa: str) -> None:
+def test_widening_lower_isa(isa: str) -> None:
     """The same on the AVX2 kernels and on the baseline's (no F16C: a conversion of its own)."""
-    code = ("from tests.kernels.test_attention_cpu import check_fp16_widening; check_fp16_widening(); "
+    code = ("from tests.kernels.test_attention_cpu import check_widening; check_widening(); "
             "from backfill import kernels; print(kernels.extension().isa())")
     assert run_under_isa(isa, code, timeout=300) == isa
 
 
-def check_fp16_widening() -> None:
+def check_widening() -> None:
+    halves = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)  # every bit pattern
+    check_v_rows(halves)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)  # every bit pattern
+        check_v_rows(codes.repeat(4))  # (whole blocks of V rows)
+
+
+def check_v_rows(values: torch.Tensor) -> None:
+    """values [n] (a cache dtype, n a multiple of 1,024) as the V rows of one-key sequences,
+    read back as torch widens them."""
     from backfill.model.attention import build_attention_metadata
 
     head_dim, block_size = 64, 16
-    halves = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)  # every bit pattern
-    num_blocks = halves.numel() // (head_dim * block_size)  # one V row per key, each key its own sequence
-    v = halves.view(num_blocks, 1, block_size, head_dim)  # [blocks, Hkv, bs, D]
-    k = torch.zeros(num_blocks, 1, head_dim, block_size, dtype=torch.float16)  # scores all 0
+    num_blocks = values.numel() // (head_dim * block_size)  # one V row per key, each key its own sequence
+    v = values.view(num_blocks, 1, block_size, head_dim)  # [blocks, Hkv, bs, D]
+    k = torch.zeros(num_blocks, 1, head_dim, block_size, dtype=values.dtype)  # scores all 0
     num_seqs = num_blocks * block_size
     # sequence s: one key, at block s // bs, slot s % bs (a table whose first block is that one,
     # its first slot s % bs keys ahead: a window of 1 sees only the last key)
@@ -128,7 +138,7 @@ def check_fp16_widening() -> None:
 
 def test_rejects_mixed_cache_dtypes() -> None:
     q, k_cache, v_cache, meta = random_step("decode_only", 4, 2, 16, 16)
-    with pytest.raises(RuntimeError, match="both fp32, both bf16 or both fp16"):
+    with pytest.raises(RuntimeError, match="of one element type"):
         fused(q, k_cache.to(torch.bfloat16), v_cache, meta)
 
 

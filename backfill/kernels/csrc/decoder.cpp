@@ -53,6 +53,8 @@ std::optional<KvElement> kv_element_of(const torch::Tensor& t) {
     case torch::kFloat32: return KvElement::kF32;
     case torch::kBFloat16: return KvElement::kBf16;
     case torch::kHalf: return KvElement::kF16;
+    case torch::kFloat8_e4m3fn: return KvElement::kF8E4M3;
+    case torch::kFloat8_e5m2: return KvElement::kF8E5M2;
     default: return std::nullopt;
   }
 }
@@ -61,6 +63,8 @@ std::optional<KvElement> kv_element_of(const torch::Tensor& t) {
 template <typename CacheT>
 CacheT to_cache(float x) {
   if constexpr (std::is_same_v<CacheT, c10::Half>) return c10::Half(std::clamp(x, -65504.0f, 65504.0f));
+  else if constexpr (std::is_same_v<CacheT, c10::Float8_e4m3fn>) return c10::Float8_e4m3fn(std::clamp(x, -448.0f, 448.0f));
+  else if constexpr (std::is_same_v<CacheT, c10::Float8_e5m2>) return c10::Float8_e5m2(std::clamp(x, -57344.0f, 57344.0f));
   else return static_cast<CacheT>(x);
 }
 
@@ -453,7 +457,7 @@ class FusedDecoder {
   }
 
   // Every KV cache shaped as the decoder needs (K [num_blocks, Hkv, D, bs], V [num_blocks, Hkv,
-  // bs, D], contiguous fp32, bf16 or fp16 on the CPU, all of one dtype), one pair per layer.
+  // bs, D], contiguous fp32, bf16, fp16 or fp8 on the CPU, all of one dtype), one pair per layer.
   void check_kv_caches(const std::vector<KVCache>& kv_caches) const {
     TORCH_CHECK(!layers_.empty(), "decoder weights are incomplete");
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one (k_cache, v_cache) pair per layer");
@@ -470,7 +474,7 @@ class FusedDecoder {
       for (const torch::Tensor& c : {k, v})
         TORCH_CHECK(kv_element_of(c) && c.scalar_type() == k0.scalar_type() && c.is_contiguous() &&
                         c.device().is_cpu(),
-                    "every KV cache must be a contiguous CPU tensor, all fp32, all bf16 or all fp16");
+                    "every KV cache must be a contiguous CPU tensor, all of one element type: fp32, bf16, fp16, fp8 e4m3fn or fp8 e5m2");
     }
   }
 
@@ -799,9 +803,10 @@ class FusedDecoder {
   // Rotate-half RoPE of q and k in place, x * cos + roll(x, D/2) * signed_sin (two roundings
   // per term, as apply_rope), then k and v of each token into its cache slot: per KV head, k
   // as column slot % block_size of the K panel [D, block_size], v as row slot % block_size of
-  // the V panel [block_size, D] (see AttentionShape). 16-bit caches get each value rounded to
-  // nearest even (c10::BFloat16's / c10::Half's rounding, as torch's .to()); fp16 ones clamped
-  // to +-65,504 first, so that a large K or V is its largest finite half, not an infinity.
+  // the V panel [block_size, D] (see AttentionShape). 16- and 8-bit caches get each value rounded
+  // to nearest even (c10's BFloat16 / Half / Float8_* rounding, as torch's .to()); fp16 and fp8
+  // ones clamped to their largest finite value first (+-65,504, 448, 57,344), so that a large K
+  // or V is that value, not an infinity or (E4M3) a NaN.
   void rope_and_write_kv(float* qkv, int64_t ld, const int64_t* positions, const float* cos, const float* sin,
                          const int64_t* slots, int64_t num_tokens, const AttentionShape& shape, void* k_cache,
                          void* v_cache, const Team* team) const {
@@ -812,6 +817,13 @@ class FusedDecoder {
       case KvElement::kF16:
         return rope_and_write_kv(qkv, ld, positions, cos, sin, slots, num_tokens, shape.block_size,
                                  static_cast<c10::Half*>(k_cache), static_cast<c10::Half*>(v_cache), team);
+      case KvElement::kF8E4M3:
+        return rope_and_write_kv(qkv, ld, positions, cos, sin, slots, num_tokens, shape.block_size,
+                                 static_cast<c10::Float8_e4m3fn*>(k_cache), static_cast<c10::Float8_e4m3fn*>(v_cache),
+                                 team);
+      case KvElement::kF8E5M2:
+        return rope_and_write_kv(qkv, ld, positions, cos, sin, slots, num_tokens, shape.block_size,
+                                 static_cast<c10::Float8_e5m2*>(k_cache), static_cast<c10::Float8_e5m2*>(v_cache), team);
       case KvElement::kF32: break;
     }
     rope_and_write_kv(qkv, ld, positions, cos, sin, slots, num_tokens, shape.block_size, static_cast<float*>(k_cache),
@@ -878,7 +890,7 @@ class FusedDecoder {
 };
 
 // Standalone paged attention (tests, benchmarks): q [T, H, D] -> out [T, H, D], the caches
-// (K [blocks, Hkv, D, bs], V [blocks, Hkv, bs, D]: see AttentionShape; both of one dtype: fp32, bf16 or fp16)
+// (K [blocks, Hkv, D, bs], V [blocks, Hkv, bs, D]: see AttentionShape; both of one dtype: fp32, bf16, fp16 or fp8)
 // already holding this step's K/V. Same kernels and tiling as the decoder step.
 torch::Tensor paged_attention_cpu(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
@@ -895,7 +907,7 @@ torch::Tensor paged_attention_cpu(const torch::Tensor& q, const torch::Tensor& k
   const std::optional<KvElement> element = kv_element_of(k_cache);
   for (const torch::Tensor& c : {k_cache, v_cache})
     TORCH_CHECK(element && c.device().is_cpu() && c.is_contiguous() && c.scalar_type() == k_cache.scalar_type(),
-                "the caches must be contiguous CPU tensors, both fp32, both bf16 or both fp16");
+                "the caches must be contiguous CPU tensors of one element type: fp32, bf16, fp16, fp8 e4m3fn or fp8 e5m2");
   const StepMeta meta{num_tokens, seq_lens.numel(), int64_data(query_start, "query_start"),
                       int64_data(seq_lens, "seq_lens"), int64_data(block_tables, "block_tables"),
                       block_tables.size(1)};

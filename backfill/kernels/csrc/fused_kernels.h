@@ -18,10 +18,21 @@ struct Bf16 {
 struct F16 {
   uint16_t bits;
 };
-enum class KvElement : int8_t { kF32, kBf16, kF16 };
+// The 8-bit ones (OCP FP8, as torch's float8_e4m3fn / float8_e5m2), also read back exactly. E4M3:
+// 3-bit significands, finite up to 448 (no infinities; 0x7f / 0xff are NaN); E5M2: 2-bit
+// significands, finite up to 57,344 (the top byte of an IEEE half). Written rounded to nearest
+// even and clamped to the largest finite value (c10's conversion gives a NaN or an infinity
+// past it), as the fp16 cache is.
+struct F8E4M3 {
+  uint8_t bits;
+};
+struct F8E5M2 {
+  uint8_t bits;
+};
+enum class KvElement : int8_t { kF32, kBf16, kF16, kF8E4M3, kF8E5M2 };
 
 // Geometry of one layer's attention; query head h reads KV head h / group. The caches
-// (contiguous, fp32, bf16 or fp16 elements: kv_element) hold one panel of block_size x head_dim
+// (contiguous, fp32, bf16, fp16 or fp8 elements: kv_element) hold one panel of block_size x head_dim
 // elements per block and KV head:
 //   K: [num_blocks, num_kv_heads, head_dim, block_size] (K^T per panel: a decode's scores read
 //      a register of consecutive keys for one d as it is, no transposition);
@@ -35,12 +46,14 @@ struct AttentionShape {
   int64_t block_size;
   float scale;     // softmax scale applied to q.k
   int64_t window;  // sliding window (a query at p sees p - window + 1 .. p); 0: none
-  // The caches' element type. The kernels widen a 16-bit one to fp32 as they read it (exactly),
+  // The caches' element type. The kernels widen a 16- or 8-bit one to fp32 as they read it (exactly),
   // so a row's output is what fp32 caches holding the same (rounded) values give.
   KvElement kv_element = KvElement::kF32;
 };
 // Bytes of one K or V cache element.
-static constexpr int64_t kv_element_bytes(const AttentionShape& s) { return s.kv_element == KvElement::kF32 ? 4 : 2; }
+static constexpr int64_t kv_element_bytes(const AttentionShape& s) {
+  return s.kv_element == KvElement::kF32 ? 4 : s.kv_element == KvElement::kBf16 || s.kv_element == KvElement::kF16 ? 2 : 1;
+}
 
 // One unit of attention work: up to attention_tile_queries(group) consecutive query tokens of one
 // sequence against one KV head (all `group` query heads of it), over the keys the queries see

@@ -1,11 +1,13 @@
 // The decoder's non-GEMM kernels over a SIMD width W (GCC vector extensions), included once by
 // each ISA translation unit after it defines BF_LANES, BF_TABLE (the table's function name),
-// BF_NAME, the vector types vf / vi (W floats / int32s) and six ISA primitives:
+// BF_NAME, the vector types vf / vi / vh (W floats / int32s / uint16s) and eight ISA primitives:
 // `vf fmadd(vf a, vf b, vf c)` (a * b + c, fused where the ISA has FMA), `vf rcp_estimate(vf d)`
 // (1 / d to 12 bits or better), `vf splat(float s)` (a broadcast; NOTE: `vf{} + s` costs an add, since
 // 0 + -0 is +0, and a lane-by-lane loop compiles to one masked broadcast per lane),
 // `vf load_bf16(const uint16_t* p)` (W bf16 bit patterns at p as fp32s, exactly: bits << 16),
-// `vf load_f16(const uint16_t* p)` (W IEEE halves at p as fp32s, exactly) and
+// `vf load_f16(const uint16_t* p)` (W IEEE halves at p as fp32s, exactly), `vf widen_f16(vh h)` (the
+// same from a vector vh of W halves), `vh load_u8_high(const uint8_t* p)` (W bytes at p as the
+// high bytes of W 16-bit words, the low bytes zero) and
 // `float f16_to_float(uint16_t h)` (one of them).
 // Everything here has internal linkage, so each unit keeps its own copies (see isa.h).
 // No include guard on purpose: one inclusion per unit.
@@ -32,8 +34,24 @@ inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
 // W 16-bit cache elements widened to fp32, exactly (the ISA's load_bf16 / load_f16).
 inline vf load(const Bf16* p) { return load_bf16(&p->bits); }
 inline vf load(const F16* p) { return load_f16(&p->bits); }
+// W 8-bit cache elements widened to fp32, exactly, as IEEE halves (the ISA's widen_f16): an E5M2
+// code is a half's top byte; an E4M3 code there, shifted down one bit arithmetically (the sign
+// copied) and the copy cleared, has its sign, exponent and significand at a half's places: a
+// half 2^-8 times its value (subnormals too: both scale by 2^-8), which one exact product takes
+// back to it; its NaN codes (exponent and significand all ones) are made a half NaN.
+typedef int16_t vsh __attribute__((vector_size(sizeof(vh))));
+inline vf load(const F8E5M2* p) { return widen_f16(load_u8_high(&p->bits)); }
+inline vf load(const F8E4M3* p) {
+  const vh h = (vh)((vsh)load_u8_high(&p->bits) >> 1) & 0xbf80;
+  return widen_f16((h & 0x3f80) == 0x3f80 ? (h | 0x7e00) : h) * splat(0x1p8f);
+}
 inline float to_float(float x) { return x; }
 inline float to_float(F16 x) { return f16_to_float(x.bits); }
+inline float to_float(F8E5M2 x) { return f16_to_float(static_cast<uint16_t>(x.bits << 8)); }
+inline float to_float(F8E4M3 x) {  // (as load)
+  const uint16_t h = static_cast<uint16_t>(static_cast<int8_t>(x.bits) * 128) & 0xbf80;
+  return f16_to_float((h & 0x3f80) == 0x3f80 ? static_cast<uint16_t>(h | 0x7e00) : h) * 0x1p8f;
+}
 inline float to_float(Bf16 x) {
   const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
   float f;
@@ -749,6 +767,12 @@ void attention_tile_any(const AttentionShape& s, const AttentionTile& t, const f
     case KvElement::kF16:
       return attention_tile(s, t, q, ldq, static_cast<const F16*>(k_cache), static_cast<const F16*>(v_cache), out,
                             ldo, scratch);
+    case KvElement::kF8E4M3:
+      return attention_tile(s, t, q, ldq, static_cast<const F8E4M3*>(k_cache), static_cast<const F8E4M3*>(v_cache),
+                            out, ldo, scratch);
+    case KvElement::kF8E5M2:
+      return attention_tile(s, t, q, ldq, static_cast<const F8E5M2*>(k_cache), static_cast<const F8E5M2*>(v_cache),
+                            out, ldo, scratch);
     case KvElement::kF32: break;
   }
   attention_tile(s, t, q, ldq, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), out, ldo,
