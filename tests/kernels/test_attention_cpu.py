@@ -88,6 +88,29 @@ def test_narrow_caches_read_as_their_fp32_values(case: str, num_heads: int, num_
     assert torch.equal(fused(q, k_narrow, v_narrow, meta, window), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize(("case", "block_size"), [("mixed", 16), ("chunked_only", 16), ("mixed", 7)])
+def test_fp8_caches_holding_every_code(case: str, block_size: int, dtype: torch.dtype) -> None:
+    """Caches whose elements run through the codes (K: every one of magnitude <= 4, so that every
+    key keeps some weight; V: every finite one) give the fp32 caches' bits, and a NaN code a row
+    sees makes that row NaN on both: each code widened exactly by every path that reads K or V
+    (a register at a time, one element at a time for prompt chunks' broadcasts, the K^T copy of
+    a block size the SIMD width does not divide)."""
+    q, k_cache, v_cache, meta = random_step(case, 8, 2, 16, block_size)
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)  # every code
+    small, finite = values[values.float().abs() <= 4], values[values.float().isfinite()]
+    k8 = small[torch.arange(k_cache.numel()) % small.numel()].view(k_cache.shape)
+    v8 = finite[torch.arange(v_cache.numel()) % finite.numel()].view(v_cache.shape)
+    expected = fused(q, k8.float(), v8.float(), meta)  # [T, H, D]
+    assert expected.isfinite().all()
+    assert torch.equal(fused(q, k8, v8, meta), expected)
+    nan = values[values.float().isnan()][0]
+    k8.view(-1, k8.shape[-1])[int(meta.slot_mapping[0]) * k8.shape[2], 3] = nan  # the step's first key, head 0
+    expected = fused(q, k8.float(), v8.float(), meta)
+    assert expected.isnan().any() and not expected.isnan().all()
+    torch.testing.assert_close(fused(q, k8, v8, meta), expected, rtol=0, atol=0, equal_nan=True)
+
+
 def test_widening_is_exact_for_every_code() -> None:
     """Every one of the 65,536 halves and of the 256 codes of each fp8 type (normals,
     subnormals, zeros, infinities, NaNs) read from a V cache as torch widens it: one key of
