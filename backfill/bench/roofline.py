@@ -28,7 +28,7 @@ from backfill.model_files import (GGUFHeader, gguf_model_config, hf_model_config
 
 logger = logging.getLogger(__name__)
 
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 def resolve_dtype(dtype: str, device: str = "cpu", quantization: str = "auto") -> str:

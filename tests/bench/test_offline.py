@@ -111,3 +111,21 @@ def test_cli_compare_all_three_systems(tmp_path: Path) -> None:
     assert "| backfill continuous |" in proc.stdout and "transformers generate()" in proc.stdout
     for suffix in ("_slot_timeline.png", "_latency_cdf.png"):
         assert (tmp_path / f"compare{suffix}").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_roofline_counts_every_kv_cache_dtype() -> None:
+    """`bench roofline --kv-cache-dtype X` counts the KV bytes the engine's cache holds, for every
+    type the engine takes (a new one without its size here failed the command)."""
+    import dataclasses
+
+    import torch
+
+    from backfill.config import KV_CACHE_TORCH_DTYPES
+    from backfill.model.loader import kv_cache_torch_dtype
+
+    shape = load_model_shape(None)
+    per_element = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
+    for name in KV_CACHE_TORCH_DTYPES:
+        dtype = kv_cache_torch_dtype(name, torch.float32)
+        kv_shape = dataclasses.replace(shape, kv_dtype=str(dtype).removeprefix("torch."))
+        assert kv_shape.kv_bytes_per_token("float32") == per_element * dtype.itemsize, name
