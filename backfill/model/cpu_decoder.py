@@ -235,7 +235,7 @@ class CpuDecoder:
 
     def make_kv_caches(self, num_blocks: int, block_size: int,
                        dtype: torch.dtype = torch.float32) -> list[tuple[Tensor, Tensor]]:
-        """Zeroed per-layer (k_cache, v_cache) pairs, fp32 (or bf16 / fp16: kv_cache_dtype), shaped
+        """Zeroed per-layer (k_cache, v_cache) pairs, fp32 (or bf16 / fp16 / fp8: kv_cache_dtype), shaped
         as kv_cache_shapes says."""
         k_shape, v_shape = self.kv_cache_shapes(num_blocks, block_size)
         return [(kernels.zeros(k_shape, dtype), kernels.zeros(v_shape, dtype)) for _ in range(self.config.num_layers)]
