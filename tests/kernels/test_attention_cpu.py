@@ -89,14 +89,15 @@ def test_narrow_caches_read_as_their_fp32_values(case: str, num_heads: int, num_
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("head_dim", [16, 24, 12])  # the widest kernels; AVX2's on an AVX-512 CPU; the baseline's
 @pytest.mark.parametrize(("case", "block_size"), [("mixed", 16), ("chunked_only", 16), ("mixed", 7)])
-def test_fp8_caches_holding_every_code(case: str, block_size: int, dtype: torch.dtype) -> None:
+def test_fp8_caches_holding_every_code(case: str, block_size: int, head_dim: int, dtype: torch.dtype) -> None:
     """Caches whose elements run through the codes (K: every one of magnitude <= 4, so that every
     key keeps some weight; V: every finite one) give the fp32 caches' bits, and a NaN code a row
     sees makes that row NaN on both: each code widened exactly by every path that reads K or V
     (a register at a time, one element at a time for prompt chunks' broadcasts, the K^T copy of
     a block size the SIMD width does not divide)."""
-    q, k_cache, v_cache, meta = random_step(case, 8, 2, 16, block_size)
+    q, k_cache, v_cache, meta = random_step(case, 8, 2, head_dim, block_size)
     values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)  # every code
     small, finite = values[values.float().abs() <= 4], values[values.float().isfinite()]
     k8 = small[torch.arange(k_cache.numel()) % small.numel()].view(k_cache.shape)
