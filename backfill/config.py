@@ -79,8 +79,8 @@ class EngineConfig:
     # activations do, for integer dot products (CPU kernels only; `backfill bench divergence`
     # measures what it changes).
     activation_quantization: str = "none"
-    # The KV cache's element type: "auto" is the activations' (`dtype`); opt-in, not exact on the
-    # CPU kernels (fp32 activations): "bfloat16" / "float16" store K and V rounded to 16 bits, half
+    # The KV cache's element type: "auto" is the activations' (`dtype`); opt-in, not exact
+    # (where it is narrower than them): "bfloat16" / "float16" store K and V rounded to 16 bits, half
     # the bytes (twice the tokens in the same memory, half of a long context's attention reads);
     # float16 keeps 3 more significand bits, and clamps values past +-65,504. "fp8" (= "fp8_e4m3")
     # / "fp8_e5m2" store them in 8 bits (a quarter of fp32's bytes), rounded to 3 / 2 significand
@@ -155,7 +155,7 @@ class EngineConfig:
                  "(faster on CPU, not exact: see `backfill bench divergence`)")
         add("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
             help="KV cache elements; auto: the activations' dtype (exact); bfloat16 / float16: K and V "
-                 "rounded to 16 bits on the CPU kernels (half the KV memory and attention reads, not exact; "
+                 "rounded to 16 bits (half the KV memory and attention reads, not exact; "
                  "float16 is closer, and clamps past +-65504); fp8 (= fp8_e4m3) / fp8_e5m2: 8 bits, a "
                  "quarter of float32's (coarser; clamps past +-448 / +-57344)")
         add("--device", help="cpu or cuda[:N]")

@@ -286,15 +286,42 @@ def _group_by_length(seqs: list[int], seq_lens: list[int], block_size: int) -> l
     return [sorted(order[a:b]) for a, b in runs]
 
 
+# The narrow cache types whose range is short of the activations': a K or V past it is stored as
+# the type's largest finite value (as the CPU kernels store it), not as an infinity or (E4M3) a NaN.
+_CLAMPED_CACHE_DTYPES = (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _copyable(t: Tensor) -> Tensor:
+    """t, or its bytes where it is fp8 (torch's index_copy_ / index_select have no fp8 kernels
+    on the CPU): the same bits moved."""
+    return t.view(torch.uint8) if t.dtype in _FP8_DTYPES else t
+
+
+def as_cache_elements(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x as a KV cache of `dtype` holds it (kv_cache_dtype): rounded to nearest even by .to(),
+    clamped first where the type's range is short; x itself where it is already `dtype`."""
+    if x.dtype == dtype:
+        return x
+    if dtype in _CLAMPED_CACHE_DTYPES:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
+
+
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    """Store this step's keys/values in their slots.
+    """Store this step's keys/values in their slots (as the caches' dtype holds them:
+    as_cache_elements).
 
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (contiguous), written in place.
     k, v: [T, num_kv_heads, head_dim] (any strides); slot_mapping: [T] int64.
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)  # [slots, Hkv, D]
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)  # [slots, Hkv, D]
+    k, v = as_cache_elements(k, k_cache.dtype), as_cache_elements(v, v_cache.dtype)
+    _copyable(k_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, _copyable(k))  # [slots, Hkv, D]
+    _copyable(v_cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, _copyable(v))  # [slots, Hkv, D]
 
 
 def paged_attention(
@@ -331,8 +358,8 @@ def paged_attention(
 
     for span in meta.prefills:
         num_q = span.token_end - span.token_start
-        k = _gather_blocks(k_cache, span.block_ids, meta.workspace, "k")  # [nb, bs, Hkv, D]
-        v = _gather_blocks(v_cache, span.block_ids, meta.workspace, "v")  # [nb, bs, Hkv, D]
+        k = _gather_blocks(k_cache, span.block_ids, meta.workspace, "k").to(q.dtype)  # [nb, bs, Hkv, D]
+        v = _gather_blocks(v_cache, span.block_ids, meta.workspace, "v").to(q.dtype)  # [nb, bs, Hkv, D]
         k = k.view(-1, num_kv_heads, head_dim)  # [nb * bs, Hkv, D]
         v = v.view(-1, num_kv_heads, head_dim)  # [nb * bs, Hkv, D]
         # G query heads per KV head; K/V broadcast over G with a zero stride (no copy).
@@ -359,7 +386,7 @@ def _gather_blocks(cache: Tensor, block_ids: Tensor, workspace: dict[str, Tensor
         buf = cache.new_empty(numel)  # [numel]
         workspace[key] = buf
     out = buf[:numel].view(num_blocks, *cache.shape[1:])  # [n, bs, Hkv, D]
-    torch.index_select(cache, 0, block_ids, out=out)
+    torch.index_select(_copyable(cache), 0, block_ids, out=_copyable(out))
     return out
 
 
@@ -377,8 +404,9 @@ def _decode_attention(
     """
     num_seqs, num_heads, head_dim = q_dec.shape
     num_kv_heads = k_cache.shape[2]
-    k = _gather_blocks(k_cache, dg.block_ids, workspace, "k")  # [n * blocks, bs, Hkv, D]
-    v = _gather_blocks(v_cache, dg.block_ids, workspace, "v")  # [n * blocks, bs, Hkv, D]
+    # (a cache of another dtype, kv_cache_dtype: its elements widened exactly to q's)
+    k = _gather_blocks(k_cache, dg.block_ids, workspace, "k").to(q_dec.dtype)  # [n * blocks, bs, Hkv, D]
+    v = _gather_blocks(v_cache, dg.block_ids, workspace, "v").to(q_dec.dtype)  # [n * blocks, bs, Hkv, D]
     k = k.view(num_seqs, -1, num_kv_heads, head_dim)  # [n, L, Hkv, D]
     v = v.view(num_seqs, -1, num_kv_heads, head_dim)  # [n, L, Hkv, D]
     # The G query heads of one KV head act as G query rows against that head's keys.

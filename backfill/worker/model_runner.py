@@ -87,6 +87,8 @@ class ModelRunner:
         cfg = self.model_config
         reason = varlen_supported(self.device, self.dtype, self.block_size, cfg.num_heads, cfg.num_kv_heads,
                                   cfg.head_dim)
+        if reason is None and self.kv_dtype != self.dtype:
+            reason = f"the KV cache is {self.kv_dtype}, the activations {self.dtype}"
         if reason is not None:
             logger.info("decode graphs use the gather attention kernel: %s", reason)
         runner = CudaGraphRunner(self.model, self.kv_caches, self.config.max_num_seqs,  # type: ignore[arg-type]
@@ -143,13 +145,10 @@ class ModelRunner:
         return attention / (2 * linear)
 
     def _kv_cache_dtype(self) -> torch.dtype:
-        """The KV cache's element type: the activations' ("auto"), or a 16- or 8-bit one where the CPU
-        kernels read it (they widen each element to fp32; the plain-PyTorch model has no such path)."""
+        """The KV cache's element type: the activations' ("auto"), or a 16- or 8-bit one (the CPU
+        kernels widen each element to fp32 as they read it; the plain-PyTorch model widens the
+        gathered blocks to its dtype)."""
         kv_dtype = kv_cache_torch_dtype(self.config.kv_cache_dtype, self.dtype)
-        if kv_dtype != self.dtype and not isinstance(self.model, CpuDecoder):
-            raise ConfigError(f"kv_cache_dtype={self.config.kv_cache_dtype!r} with {self.dtype} activations "
-                              f"runs on the CPU kernels only (device {self.config.device}, dtype "
-                              f"{self.config.dtype}, quantization {self.config.quantization})")
         if kv_dtype != self.dtype:
             logger.info("KV cache in %s (opt-in: K and V rounded; see `backfill bench divergence`)", kv_dtype)
         return kv_dtype

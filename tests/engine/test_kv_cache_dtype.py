@@ -1,6 +1,6 @@
 """`kv_cache_dtype="bfloat16"` / `"float16"` / `"fp8"` / `"fp8_e5m2"` on the real default model
 through the engine: opt-in, off by default, half (a quarter) the KV bytes a token, batch
-invariant, refused where the CPU kernels do not run it."""
+invariant, on the CPU kernels and on the plain-PyTorch path."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from backfill import kernels
-from backfill.config import ConfigError, EngineConfig
+from backfill.config import EngineConfig
 from backfill.engine.llm import LLM
+from backfill.model.cpu_decoder import CpuDecoder
 from backfill.sampling_params import SamplingParams
 from tests.prompts import make_prompts
 
@@ -20,9 +21,27 @@ def test_off_by_default_and_checked() -> None:
     assert EngineConfig().kv_cache_dtype == "auto"
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="int4")
-    # the dense PyTorch model in fp32 has no bf16-cache path: refused, not ignored
-    with pytest.raises(ConfigError, match="CPU kernels only"):
-        LLM(kv_cache_dtype="bfloat16", quantization="none", dtype="float32", max_model_len=64)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
+def test_plain_pytorch_path_runs_narrow_caches(kv_cache_dtype: str) -> None:
+    """The plain-PyTorch model (`quantization="none"`: the reference, and the GPU path) stores K
+    and V in the narrow type too (write_kv) and widens the gathered blocks: its caches hold the
+    type, and its greedy tokens stay mostly those of its own fp32 cache."""
+    dtype, ratio, least_agreed = NARROW[kv_cache_dtype]
+    settings = dict(quantization="none", dtype="float32", max_num_seqs=8, max_model_len=256, seed=0)
+    exact, llm = LLM(**settings), LLM(kv_cache_dtype=kv_cache_dtype, **settings)
+    runner = llm.engine.runner
+    assert not isinstance(runner.model, CpuDecoder)
+    assert all(k.dtype == v.dtype == dtype for k, v in runner.kv_caches)
+    assert ratio * runner.kv_bytes_per_token == exact.engine.runner.kv_bytes_per_token
+    prompts = make_prompts(6, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    reference = [o.token_ids for o in exact.generate(prompts, params)]
+    agreed = sum(a == b for x, y in zip(got, reference) for a, b in zip(x, y))
+    print(f"{kv_cache_dtype} (plain PyTorch): {agreed} of {len(prompts) * 12} greedy tokens the fp32 cache's")
+    assert all(len(t) == 12 for t in got) and agreed >= least_agreed * len(prompts) * 12, (got, reference)
 
 
 # Each narrow cache: its torch dtype, fp32's bytes over its, and the least share of the greedy

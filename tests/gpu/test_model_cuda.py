@@ -12,7 +12,7 @@ from backfill.model.loader import load_model
 from backfill.model.static_decode import varlen_supported
 from backfill.tokenizer import Tokenizer
 from tests.model.paged_driver import PagedDriver
-from tests.model.test_attention import CASES, check_paged_matches_naive
+from tests.model.test_attention import CASES, check_narrow_caches, check_paged_matches_naive
 from tests.model.test_llama_gguf import check_bfloat16_tracks_float32, check_matches_transformers
 from tests.model.test_static_decode import DECODE_CASES, check_static_matches_naive
 
@@ -57,6 +57,14 @@ def test_bf16_tracks_fp32(fp32_model: LlamaForCausalLM, bf16_model: LlamaForCaus
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_paged_matches_naive(cuda: torch.device, dtype: torch.dtype, case: str) -> None:
     check_paged_matches_naive(dtype, case, 9, 3, 64, 16, cuda)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_narrow_caches_read_as_their_values(cuda: torch.device, kv_dtype: torch.dtype, case: str) -> None:
+    """`--kv-cache-dtype` on the GPU path (bf16 activations): the caches hold the narrow type,
+    attention reads it as caches of bf16 holding the same values."""
+    check_narrow_caches(case, torch.bfloat16, kv_dtype, cuda)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

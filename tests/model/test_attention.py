@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from backfill.model.attention import (
+    as_cache_elements,
     build_attention_metadata,
     naive_attention,
     paged_attention,
@@ -89,6 +90,40 @@ def check_paged_matches_naive(dtype: torch.dtype, case: str, num_heads: int, num
     ref = naive_attention(q, k_cache, v_cache, meta, scale)
     assert fast.shape == (num_tokens, num_heads, head_dim) and fast.dtype == dtype
     torch.testing.assert_close(fast.float(), ref.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_narrow_caches_read_as_their_values(case: str, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    check_narrow_caches(case, dtype, kv_dtype, CPU)
+
+
+def check_narrow_caches(case: str, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device) -> None:
+    """kv_cache_dtype on the plain-PyTorch path: write_kv stores K and V as as_cache_elements
+    gives them (rounded, clamped past the type's range), and paged_attention over those caches
+    gives the bits it gives over caches of q's dtype holding the same values (the gathered
+    blocks widened exactly), decodes and prompts alike (tests/gpu reuses it)."""
+    num_computed, query_lens = CASES[case]
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 8, 2, 16, 5, 800
+    gen = torch.Generator().manual_seed(zlib.crc32(f"narrow-{case}".encode()))
+    _, meta, _ = make_step(num_computed, query_lens, block_size, num_blocks, seed=7, device=device)
+    num_tokens = sum(query_lens)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(device, kv_dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device, kv_dtype)
+    k = (300 * torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)).to(device, dtype)  # some past 448
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    q = (torch.randn(num_tokens, num_heads, head_dim, generator=gen) / 100).to(device, dtype)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    stored = k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping]  # [T, Hkv, D]
+    assert stored.dtype == kv_dtype and torch.equal(stored, as_cache_elements(k, kv_dtype))
+    assert stored.float().isfinite().all()
+    if kv_dtype in (torch.float8_e4m3fn, torch.float16):
+        limit = torch.finfo(kv_dtype).max
+        assert torch.equal(stored.float(), k.float().clamp(-limit, limit).to(kv_dtype).float())
+    expected = paged_attention(q, k_cache.to(dtype), v_cache.to(dtype), meta, head_dim**-0.5)
+    assert torch.equal(paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5), expected)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
