@@ -130,7 +130,7 @@ print(info)
 EOF
 
 # The tests that need no default model (random tensors, tiny random models); the rest need it.
-NO_MODEL_TESTS="paged_matches_naive or graph_decode_kernels or graph_replay_matches or graph_floor"
+NO_MODEL_TESTS="paged_matches_naive or narrow_caches or graph_decode_kernels or graph_replay_matches or graph_floor"
 pytest_gpu() {  # pytest_gpu NAME LIMIT K_EXPRESSION
     run_step "$1" "$2" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs -k "$3" \
         --junitxml="$OUT/$1.xml"
