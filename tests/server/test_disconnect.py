@@ -64,3 +64,31 @@ def test_non_streaming_client_that_gives_up_is_aborted(server: ServerProcess) ->
     assert wait_until(lambda: engine_idle(server), timeout=60), server.metrics()
     assert steps(server) - gave_up <= MAX_STEPS_TO_IDLE
     assert server.metrics()["backfill:request_abort_total"] - before.get("backfill:request_abort_total", 0) == 1
+
+
+def test_a_stream_failing_mid_way_ends_with_an_error_event_and_done() -> None:
+    """Any failure while a stream's events are made (not only the engine's) ends the stream with
+    an OpenAI error event and [DONE], never a bare end, and closes its request streams."""
+    import json
+
+    from backfill.entrypoints.openai.serving import OpenAIServing
+
+    class Stream:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    async def events():
+        yield "data: first\n\n"
+        raise KeyError("a bug")
+
+    async def run() -> list[str]:
+        return [event async for event in OpenAIServing._sse_tail(events(), [stream], None)]
+
+    stream = Stream()
+    got = asyncio.run(run())
+    assert got[0] == "data: first\n\n" and got[-1] == "data: [DONE]\n\n", got
+    error = json.loads(got[1].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and "KeyError" in error["message"], error
+    assert stream.closed

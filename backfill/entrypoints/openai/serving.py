@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import re
 import time
 import uuid
@@ -38,6 +39,8 @@ from backfill.structured_output.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
     from backfill.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 LONG_TEXT_CHARS = 20_000  # longer texts are tokenized in a worker thread, off the event loop
@@ -618,8 +621,10 @@ class OpenAIServing:
     async def _sse_tail(events: AsyncGenerator[str, None], streams: list[RequestStream],
                         usage_chunk: Callable[[], Any] | None) -> AsyncGenerator[str, None]:
         """`events`, then the usage chunk (when asked for) and `[DONE]`; an engine that stops
-        mid-stream ends it with an error event and `[DONE]`. The request streams are closed
-        however the response ends (a client that hangs up included)."""
+        mid-stream ends it with an error event and `[DONE]`, and so does any other failure
+        while the events are made (logged with its traceback: a bug), so that a client never
+        sees a stream end without either. The request streams are closed however the response
+        ends (a client that hangs up included)."""
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
@@ -628,6 +633,10 @@ class OpenAIServing:
                 yield sse(usage_chunk())
             yield SSE_DONE
         except EngineError as error:
+            yield sse(engine_error(error).to_dict())
+            yield SSE_DONE
+        except Exception as error:
+            logger.exception("a stream failed mid-way")
             yield sse(engine_error(error).to_dict())
             yield SSE_DONE
         finally:
