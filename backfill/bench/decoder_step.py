@@ -63,13 +63,13 @@ def bench_steps(batches: list[int], context: int, repeats: int, block_size: int 
                                                    torch.device("cpu"))
         input_ids = torch.randint(0, config.vocab_size, (batch,))  # [B]
         rows = torch.arange(batch)  # [B], every row samples
-        decoders = {"fused-q": fused_q, "fused-q-int8": fused_i8, "fused-f32": fused_f32}
-        decoders = {name: d for name, d in decoders.items() if name in paths}
-        decoders.update({f"fused-q kv {kv}": fused_q for kv in kv_cache_dtypes})
-        kv_of = {f"fused-q kv {kv}": kv for kv in kv_cache_dtypes}  # (the others: fp32)
-        caches = {name: d.make_kv_caches(batch * blocks_per_seq, block_size,
-                                         kv_cache_torch_dtype(kv_of.get(name, "auto"), torch.float32))
-                  for name, d in decoders.items()}
+        # each fused path: its decoder and its caches' type ("auto": fp32)
+        fused = {name: (d, "auto") for name, d in (("fused-q", fused_q), ("fused-q-int8", fused_i8),
+                                                   ("fused-f32", fused_f32)) if name in paths}
+        fused.update({f"fused-q kv {kv}": (fused_q, kv) for kv in kv_cache_dtypes})
+        decoders = {name: d for name, (d, _) in fused.items()}
+        caches = {name: d.make_kv_caches(batch * blocks_per_seq, block_size, kv_cache_torch_dtype(kv, torch.float32))
+                  for name, (d, kv) in fused.items()}
         caches["python"] = model.make_kv_caches(batch * blocks_per_seq, block_size)
         for cache in caches.values():
             for k, v in cache:

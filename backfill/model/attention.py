@@ -286,12 +286,10 @@ def _group_by_length(seqs: list[int], seq_lens: list[int], block_size: int) -> l
     return [sorted(order[a:b]) for a, b in runs]
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # The narrow cache types whose range is short of the activations': a K or V past it is stored as
 # the type's largest finite value (as the CPU kernels store it), not as an infinity or (E4M3) a NaN.
-_CLAMPED_CACHE_DTYPES = (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_CLAMPED_CACHE_DTYPES = (torch.float16, *_FP8_DTYPES)
 
 
 def _copyable(t: Tensor) -> Tensor:

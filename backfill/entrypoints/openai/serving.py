@@ -632,11 +632,9 @@ class OpenAIServing:
             if usage_chunk is not None:
                 yield sse(usage_chunk())
             yield SSE_DONE
-        except EngineError as error:
-            yield sse(engine_error(error).to_dict())
-            yield SSE_DONE
         except Exception as error:
-            logger.exception("a stream failed mid-way")
+            if not isinstance(error, EngineError):
+                logger.exception("a stream failed mid-way")
             yield sse(engine_error(error).to_dict())
             yield SSE_DONE
         finally:

@@ -54,16 +54,17 @@ struct Fp8Values {
   float v[256];
   constexpr Fp8Values(int exponent_bits, int bias) : v{} {
     const int mantissa_bits = 7 - exponent_bits, max_exponent = (1 << exponent_bits) - 1;
+    const bool e4m3 = exponent_bits == 4;
     for (int code = 0; code < 256; ++code) {
       const int e = (code & 0x7f) >> mantissa_bits, m = code & ((1 << mantissa_bits) - 1);
-      const bool e4m3 = exponent_bits == 4;
       float x;
       if (e4m3 ? (code & 0x7f) == 0x7f : (e == max_exponent && m != 0)) x = __builtin_nanf("");
       else if (!e4m3 && e == max_exponent) x = __builtin_inff();
-      else {
-        x = e == 0 ? static_cast<float>(m) : static_cast<float>((1 << mantissa_bits) + m);  // significand
-        for (int k = 0; k < mantissa_bits + bias - (e == 0 ? 1 : e); ++k) x *= 0.5f;       // x 2^(e - bias - mbits)
-        for (int k = 0; k < (e == 0 ? 1 : e) - bias - mantissa_bits; ++k) x *= 2.0f;
+      else {  // the significand (as an integer) times 2^exponent
+        x = static_cast<float>(e == 0 ? m : (1 << mantissa_bits) + m);
+        const int exponent = (e == 0 ? 1 : e) - bias - mantissa_bits;
+        for (int k = 0; k < -exponent; ++k) x *= 0.5f;
+        for (int k = 0; k < exponent; ++k) x *= 2.0f;
       }
       v[code] = code & 0x80 ? -x : x;
     }
