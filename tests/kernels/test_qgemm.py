@@ -28,8 +28,9 @@ pytestmark = pytest.mark.skipif(ext is None, reason="CPU kernels extension unava
 TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 # [N, K] per type: N not a multiple of 16; K spans several blocks and more than one column chunk
 # of the panel kernel (192 / 256 columns).
-SHAPES = {"F32": (37, 300), "F16": (37, 300), "Q4_0": (37, 416), "Q4_1": (37, 416), "Q8_0": (37, 416),
-          "Q4_K": (37, 768), "Q6_K": (37, 768)}
+# (the nibble types: 7 tiles, so one row runs a group of 4 tiles and one of 3 on AVX2, 6 and 1 on AVX-512)
+SHAPES = {"F32": (37, 300), "F16": (37, 300), "Q4_0": (101, 416), "Q4_1": (101, 416), "Q8_0": (37, 416),
+          "Q4_K": (101, 768), "Q6_K": (37, 768)}
 MS = [1, 2, 3, 5, 7, 8, 9, 16, 17, 24, 32, 33, 64, 65, 100, 350]  # fused groups of <= 6 rows from 5 (AVX2; the panels past 64, fewer for the k-quants), of <= 16 from 17 (AVX-512); 350: several row chunks at K >= 416
 ISAS = ["scalar", "avx2", "avx512"]
 

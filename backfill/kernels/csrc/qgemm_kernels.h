@@ -131,8 +131,16 @@ BF_AI void nibble_codes_from_memory(const uint8_t* const* qs, int64_t k0, Code&&
   }
 }
 
+// A code callback that also takes (NibbleWords{}, k, qs, w) runs word w of NT tiles (columns
+// k .. k + 7, the subnormal form) in one call: the ISA unit's nibble_word_fma4 (fused_block).
+struct NibbleWords {};
+
 template <int NT, bool kSub, class Code>
 BF_AI void nibble_codes(const uint8_t* const* qs, int64_t k0, Code&& code) {
+  if constexpr (kSub && requires { code(NibbleWords{}, k0, qs, 0); }) {
+    BF_UNROLL for (int w = 0; w < 4; ++w) code(NibbleWords{}, k0 + 8 * w, qs, w);
+    return;
+  }
   if constexpr (kSub && kSubCodesFromMemory && NT >= 2) {
     nibble_codes_from_memory<NT>(qs, k0, code);
     return;
@@ -150,13 +158,22 @@ constexpr const float* nibble_x_scales() { return kSub ? kSubnormalXScale : kNib
 template <bool kSub>
 BF_AI VF subnormal_d(VF d) { return kSub ? vf_mul(d, vf_set1(kSubnormalDScale)) : d; }
 
+// f(t) read as a[t] (a fold's d and m: see DqQ4).
+template <class F>
+struct Indexed {
+  const F& f;
+  BF_AI VF operator[](int t) const { return f(t); }
+};
+
 // Q4_0 (w = (q - 8) d: m = -8 d) and Q4_1 (w = q d + m): one tile block per 32 columns.
 template <bool kMin, bool kSub>
 struct DqQ4 {
   static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true;
+  static constexpr bool kSubnormalNibbles = kSub;  // (fused_nt_of)
   static constexpr const float* kXScale = nibble_x_scales<kSub>();
   static constexpr int64_t kQB = QK;
   static constexpr int64_t kBlockBytes = kMin ? 320 : 288;
+  static constexpr int64_t kChunkBytes = kBlockBytes;  // (a tile's bytes per 32 columns: chunk_lines)
   static constexpr int64_t kQs = kMin ? tile_off::kQ4_1Qs : tile_off::kQ4_0Qs;
   template <int NT, class Code, class Fold>
   BF_AI static void for_each_code(const uint8_t* const* tiles, int64_t k0, int64_t kn, Code&& code, Fold&& fold) {
@@ -164,14 +181,25 @@ struct DqQ4 {
       const uint8_t* qs[NT];
       BF_UNROLL for (int t = 0; t < NT; ++t) qs[t] = tiles[t] + b * kBlockBytes + kQs;
       nibble_codes<NT, kSub>(qs, b * QK, code);
-      VF d[NT], m[NT];
-      BF_UNROLL for (int t = 0; t < NT; ++t) {
+      const auto d = [&](int t) __attribute__((always_inline)) {
+        return subnormal_d<kSub>(vf_load_f16(tiles[t] + b * kBlockBytes));
+      };
+      const auto m = [&](int t) __attribute__((always_inline)) {
         const uint8_t* blk = tiles[t] + b * kBlockBytes;
-        d[t] = vf_load_f16(blk);
-        m[t] = kMin ? vf_load_f16(blk + tile_off::kQ4_1M) : vf_mul(d[t], vf_set1(-8.0f));
-        d[t] = subnormal_d<kSub>(d[t]);
+        return kMin ? vf_load_f16(blk + tile_off::kQ4_1M) : vf_mul(vf_load_f16(blk), vf_set1(-8.0f));
+      };
+      if constexpr (kVfRegs < 16) {
+        // (16 ymm: read where the fold takes them, tile by tile; all at once they outnumbered
+        // the registers beside 4 tiles' sums and spilled: a one-row GEMV ~4% slower)
+        fold(b, Indexed<decltype(d)>{d}, Indexed<decltype(m)>{m});
+      } else {  // (32 zmm: all first, ahead of their use: ~3% faster than at the fold)
+        VF dv[NT], mv[NT];
+        BF_UNROLL for (int t = 0; t < NT; ++t) {
+          dv[t] = d(t);
+          mv[t] = m(t);
+        }
+        fold(b, dv, mv);
       }
-      fold(b, d, m);
     }
   }
 };
@@ -200,6 +228,7 @@ struct DqQ8_0 {
   static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true;
   static constexpr const float* kXScale = kSub ? kSubnormalXScaleQ8_0 : kByteXScale;
   static constexpr int64_t kQB = QK;
+  static constexpr int64_t kChunkBytes = kTileRows * 34;  // (chunk_lines)
   template <int NT, class Code, class Fold>
   BF_AI static void for_each_code(const uint8_t* const* tiles, int64_t k0, int64_t kn, Code&& code, Fold&& fold) {
     for (int64_t b = k0 / QK; b < (k0 + kn) / QK; ++b) {
@@ -224,8 +253,10 @@ struct DqQ8_0 {
 template <bool kSub>
 struct DqQ4_K {
   static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true;
+  static constexpr bool kSubnormalNibbles = kSub;  // (fused_nt_of)
   static constexpr const float* kXScale = nibble_x_scales<kSub>();
   static constexpr int64_t kQB = 32;
+  static constexpr int64_t kChunkBytes = kQ4_KTileBlockBytes / 8;  // (chunk_lines)
   template <int NT, class Code, class Fold>
   BF_AI static void for_each_code(const uint8_t* const* tiles, int64_t k0, int64_t kn, Code&& code, Fold&& fold) {
     for (int64_t s = k0 / 32; s < (k0 + kn) / 32; ++s) {
@@ -320,6 +351,7 @@ struct DqQ6_K {
   static constexpr bool kIsPanel = false, kFactored = true, kHasMin = true;
   static constexpr const float* kXScale = kSub ? kSubnormalXScaleQ6_K : kNibbleXScale;
   static constexpr int64_t kQB = 16;
+  static constexpr int64_t kChunkBytes = kQ6_KTileBlockBytes / 8;  // (chunk_lines)
   template <int NT, class Code, class Fold>
   BF_AI static void for_each_code(const uint8_t* const* tiles, int64_t k0, int64_t kn, Code&& code, Fold&& fold) {
     for (int64_t s = k0 / 16; s < (k0 + kn) / 16; ++s) {
@@ -519,18 +551,32 @@ constexpr int64_t kFusedPrefetchChunks = 6;
 // this group's end). cb = a tile's bytes per 32-column chunk, tile bytes / nc (for the k-quants,
 // whose blocks span 256 columns, a proportional share of the block). Into L2: at 6 tiles x 6
 // chunks it is ~12 KB ahead for Q4_1, ~20 KB for Q8_0.
+// kLines: cb's lines, ceil(cb / 64), where the caller's type fixes cb (the prefetches then
+// unrolled: the loop's own instructions had cost a one-row GEMV on AVX2 ~10%), else 0.
 // (Job: a TileJob or a Q8Job, q8.h.)
-template <int NT, class Job>
+template <int NT, int64_t kLines = 0, class Job>
 BF_AI void prefetch_chunk(const Job& job, int64_t tile0, int64_t c, int64_t nc, int64_t tb, int64_t cb) {
   while (c >= nc) {
     c -= nc;
     tile0 += NT;
   }
-  BF_UNROLL for (int t = 0; t < NT; ++t) {
+  const uint8_t* p = job.w + tile0 * tb + c * cb;
+  BF_UNROLL for (int t = 0; t < NT; ++t, p += tb) {
     if (tile0 + t >= job.tile_end) break;
-    const uint8_t* p = job.w + (tile0 + t) * tb + c * cb;
-    for (int64_t off = 0; off < cb; off += 64) __builtin_prefetch(p + off, 0, 2);  // prefetcht1
+    if constexpr (kLines > 0) {
+      BF_UNROLL for (int64_t l = 0; l < kLines; ++l) __builtin_prefetch(p + 64 * l, 0, 2);  // prefetcht1
+    } else {
+      for (int64_t off = 0; off < cb; off += 64) __builtin_prefetch(p + off, 0, 2);
+    }
   }
+}
+
+// A tile's lines per 32-column chunk (prefetch_chunk's kLines) for the types whose Dq says its
+// bytes per 32 columns (kChunkBytes), else 0.
+template <class Dq>
+constexpr int64_t chunk_lines() {
+  if constexpr (requires { Dq::kChunkBytes; }) return (Dq::kChunkBytes + 63) / 64;
+  return 0;
 }
 
 // Block sums X a row of K columns needs: one per block for the types with an offset, else none.
@@ -551,8 +597,9 @@ inline void pack_xs(const TileJob& job, int64_t row0, int mr, float* out) {
 // One block's code sums s of MR rows x NT tiles folded into the rows' sums (TileJob): y = fma(s,
 // d, y), then y = fma(X, m, y) for the types with an offset (xs: the block's X of the MR rows);
 // s back to +0. y in registers (kYRegs), else in memory, ym [MR][NT][16].
-template <class Dq, bool kYRegs, int MR, int NT>
-BF_AI void fold_sums(VF (&s)[MR][NT], VF (&y)[MR][NT], float* ym, const VF* d, const VF* m, const float* xs) {
+// (d, m: VF arrays, or Indexed)
+template <class Dq, bool kYRegs, int MR, int NT, class D, class M>
+BF_AI void fold_sums(VF (&s)[MR][NT], VF (&y)[MR][NT], float* ym, const D& d, const M& m, const float* xs) {
   BF_UNROLL for (int i = 0; i < MR; ++i) {
     VF xm = vf_zero();
     if constexpr (Dq::kHasMin) xm = vf_bcast(xs + i);
@@ -565,6 +612,27 @@ BF_AI void fold_sums(VF (&s)[MR][NT], VF (&y)[MR][NT], float* ym, const VF* d, c
       s[i][t] = vf_zero();
     }
   }
+}
+
+// A callable with both callables' overloads.
+template <class A, class B>
+struct Overload : A, B {
+  using A::operator();
+  using B::operator();
+};
+
+// Whether Dq is a nibble type read in the subnormal form (the ISA's nibble_word_fma4 runs it).
+template <class Dq>
+constexpr bool subnormal_nibbles() {
+  if constexpr (requires { Dq::kSubnormalNibbles; }) return Dq::kSubnormalNibbles;
+  return false;
+}
+
+// Tiles a fused call takes for mr rows: fused_nt, but kNibbleWordTiles at one row where the ISA
+// has nibble_word_fma4.
+template <class Dq>
+constexpr int fused_nt_of(int mr) {
+  return mr == 1 && kNibbleWordTiles > 0 && subnormal_nibbles<Dq>() ? kNibbleWordTiles : fused_nt(mr);
 }
 
 // MR rows x NT tiles: the rows' chains in MR x NT accumulators. The block types keep each
@@ -600,17 +668,24 @@ __attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, 
     if constexpr (kYRegs) y[i][t] = vf_zero();
     else vf_store(ym + (i * NT + t) * 16, vf_zero());
   }
-  const auto fold = [&](int64_t b, const VF* d, const VF* m) __attribute__((always_inline)) {
+  const auto fold = [&](int64_t b, const auto& d, const auto& m) __attribute__((always_inline)) {
     fold_sums<Dq, kYRegs>(acc, y, ym, d, m, xs + b * MR);
   };
   const int64_t nc = job.cols / 32, cb = tb / nc;
   if (tile0 == job.tile_begin) {  // the job's first chunks; later groups were prefetched by the one before
-    for (int64_t c = 0; c < kFusedPrefetchChunks; ++c) prefetch_chunk<NT>(job, tile0, c, nc, tb, cb);
+    for (int64_t c = 0; c < kFusedPrefetchChunks; ++c) prefetch_chunk<NT, chunk_lines<Dq>()>(job, tile0, c, nc, tb, cb);
   }
   for (int64_t c = 0; c < nc; ++c) {
-    prefetch_chunk<NT>(job, tile0, c + kFusedPrefetchChunks, nc, tb, cb);
+    prefetch_chunk<NT, chunk_lines<Dq>()>(job, tile0, c + kFusedPrefetchChunks, nc, tb, cb);
     side.burst();
-    if constexpr (Dq::kFactored) Dq::template for_each_code<NT>(tiles, 32 * c, 32, fma_column, fold);
+    if constexpr (MR == 1 && NT == kNibbleWordTiles && subnormal_nibbles<Dq>()) {
+      const auto fma_words = [&](NibbleWords, int64_t k, const uint8_t* const* qs, int w) __attribute__((always_inline)) {
+        const uint8_t* words[NT];
+        BF_UNROLL for (int t = 0; t < NT; ++t) words[t] = qs[t] + 64 * w;
+        nibble_word_fma4(acc[0], words, xp + k, kNibbleMask);
+      };
+      Dq::template for_each_code<NT>(tiles, 32 * c, 32, Overload<decltype(fma_column), decltype(fma_words)>{fma_column, fma_words}, fold);
+    } else if constexpr (Dq::kFactored) Dq::template for_each_code<NT>(tiles, 32 * c, 32, fma_column, fold);
     else Dq::template for_each<NT>(tiles, 32 * c, 32, fma_column);
   }
   if constexpr (Dq::kFactored) {
@@ -639,10 +714,10 @@ void fused_rows(const TileJob& job, int mr, const float* xp, const float* xs) {
   if constexpr (MR < kFusedMaxM) {
     if (mr != MR) return fused_rows<Dq, MR + 1>(job, mr, xp, xs);
   }
-  constexpr int64_t nt = fused_nt(MR);
+  constexpr int nt = fused_nt_of<Dq>(MR);
   SideCursor side;  // one share per 32-column chunk (fused_block)
   side.start(job.side, job.side_begin, job.side_end, (job.tile_end - job.tile_begin + nt - 1) / nt * (job.cols / 32));
-  fused_tiles<Dq, MR, fused_nt(MR)>(job, xp, xs, job.tile_begin, job.tile_end, side);
+  fused_tiles<Dq, MR, nt>(job, xp, xs, job.tile_begin, job.tile_end, side);
 }
 
 // One tile for an MR-row group (1 <= mr <= kFusedGroupMR), rows [row0, row0 + mr).
@@ -810,7 +885,7 @@ __attribute__((noinline)) void dequant_panel(const uint8_t* tile, int64_t k0, in
   const uint8_t* tiles[1] = {tile};
   const auto put = [&](int64_t k, const VF* w) __attribute__((always_inline)) { vf_store(panel + 16 * (k - k0), w[0]); };
   if constexpr (Dq::kFactored) {
-    Dq::template for_each_code<1>(tiles, k0, kn, put, [&](int64_t b, const VF* d, const VF* m) __attribute__((always_inline)) {
+    Dq::template for_each_code<1>(tiles, k0, kn, put, [&](int64_t b, const auto& d, const auto& m) __attribute__((always_inline)) {
       float* at = dm + 32 * (b - k0 / Dq::kQB);
       vf_store(at, d[0]);
       vf_store(at + 16, m[0]);

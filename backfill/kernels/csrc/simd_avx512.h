@@ -128,6 +128,8 @@ constexpr int64_t fused_groups_max_m(QType) { return INT64_MAX; }
 constexpr int fused_nt(int mr) { return mr == 1 ? 6 : mr <= 2 ? 4 : mr <= 4 ? 3 : mr <= 8 ? 2 : 1; }
 // The subnormal form keeps the nibble words in registers (qgemm_kernels.h: nibble_codes_from_memory).
 constexpr bool kSubCodesFromMemory = false;
+constexpr int kNibbleWordTiles = 0;  // (no nibble_word_fma4: see qgemm_avx2.cpp)
+void nibble_word_fma4(VF (&)[4], const uint8_t* const*, const float*, const uint32_t*);
 constexpr int kVfRegs = 32;  // VF registers (32 zmm)
 constexpr int kPanelNT = 2;
 constexpr int kPanelMaxMR = 12;
