@@ -188,7 +188,7 @@ struct DqQ4 {
         const uint8_t* blk = tiles[t] + b * kBlockBytes;
         return kMin ? vf_load_f16(blk + tile_off::kQ4_1M) : vf_mul(vf_load_f16(blk), vf_set1(-8.0f));
       };
-      if constexpr (kVfRegs < 16) {
+      if constexpr (kVfRegs < 16 && NT >= 4) {
         // (16 ymm: read where the fold takes them, tile by tile; all at once they outnumbered
         // the registers beside 4 tiles' sums and spilled: a one-row GEMV ~4% slower)
         fold(b, Indexed<decltype(d)>{d}, Indexed<decltype(m)>{m});
@@ -552,7 +552,7 @@ constexpr int64_t kFusedPrefetchChunks = 6;
 // whose blocks span 256 columns, a proportional share of the block). Into L2: at 6 tiles x 6
 // chunks it is ~12 KB ahead for Q4_1, ~20 KB for Q8_0.
 // kLines: cb's lines, ceil(cb / 64), where the caller's type fixes cb (the prefetches then
-// unrolled: the loop's own instructions had cost a one-row GEMV on AVX2 ~10%), else 0.
+// unrolled: the loop's own instructions had cost a one-row Q4_1 GEMV on AVX2 ~3%), else 0.
 // (Job: a TileJob or a Q8Job, q8.h.)
 template <int NT, int64_t kLines = 0, class Job>
 BF_AI void prefetch_chunk(const Job& job, int64_t tile0, int64_t c, int64_t nc, int64_t tb, int64_t cb) {
@@ -672,11 +672,13 @@ __attribute__((noinline)) void fused_block(const TileJob& job, const float* xp, 
     fold_sums<Dq, kYRegs>(acc, y, ym, d, m, xs + b * MR);
   };
   const int64_t nc = job.cols / 32, cb = tb / nc;
+  // (unrolled at one row only: on AVX2 at 4-32 rows they ran 5% slower than the loop)
+  constexpr int64_t kPrefetchLines = MR == 1 ? chunk_lines<Dq>() : 0;
   if (tile0 == job.tile_begin) {  // the job's first chunks; later groups were prefetched by the one before
-    for (int64_t c = 0; c < kFusedPrefetchChunks; ++c) prefetch_chunk<NT, chunk_lines<Dq>()>(job, tile0, c, nc, tb, cb);
+    for (int64_t c = 0; c < kFusedPrefetchChunks; ++c) prefetch_chunk<NT, kPrefetchLines>(job, tile0, c, nc, tb, cb);
   }
   for (int64_t c = 0; c < nc; ++c) {
-    prefetch_chunk<NT, chunk_lines<Dq>()>(job, tile0, c + kFusedPrefetchChunks, nc, tb, cb);
+    prefetch_chunk<NT, kPrefetchLines>(job, tile0, c + kFusedPrefetchChunks, nc, tb, cb);
     side.burst();
     if constexpr (MR == 1 && NT == kNibbleWordTiles && subnormal_nibbles<Dq>()) {
       const auto fma_words = [&](NibbleWords, int64_t k, const uint8_t* const* qs, int w) __attribute__((always_inline)) {
