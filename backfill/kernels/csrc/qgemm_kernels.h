@@ -10,7 +10,8 @@
 //   pack_x16 (x's 16 rows column by column, scaled as pack_x scales them, as many columns as it
 //   does: see pack_x; pack_x8.h does up to 8 rows);
 //   and the blocking constants: kFusedMaxM, fused_nt(mr), kFusedGroupMR, fused_groups_max_m(type), kVfRegs, kPanelNT, kPanelMaxMR,
-//   kPanelMaxMRF (the block types' panels), kPanelKc.
+//   kPanelMaxMRF (the block types' panels), kPanelKc; kNibbleWordTiles (0: none) and
+//   nibble_word_fma4 (one row of a nibble type, that many tiles a call: qgemm_avx2.cpp).
 // Everything here has internal linkage: each ISA unit gets its own copy (see isa.h).
 //
 // Numbers (the invariant every path keeps, see TileJob): lanes run across 16 output rows. For
