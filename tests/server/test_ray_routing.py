@@ -1,9 +1,11 @@
 """The Ray Serve pieces that need no Ray: the routing policy, the prefix index, the merged /metrics
-text, running a forwarded request through an ASGI app (asgi_call), and the muxes' two ends (mux)."""
+text, running a forwarded request through an ASGI app (asgi_call), the muxes' two ends (mux), and
+the ingress's relay of a response (on fakes)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
@@ -324,3 +326,55 @@ def test_mux_batches_cross_zmq_in_order_with_the_load_and_only_for_their_ingress
         mine = [(load, batch) for m, load, batch in received if m == mux]
         assert mine == [(step, [(10 * mux, b"step %d" % step), (10 * mux + 1, bytes([step]) * step)])
                         for step in range(50)]
+
+
+# ---- the ingress's relay of a replica's response (ingress.Forwarder._relay), on fakes --------
+
+
+class _FakeHandle:
+    """Stands in for a DeploymentHandle: the relay tested here makes no Ray call."""
+
+    def options(self, **_: object) -> _FakeHandle:
+        return self
+
+
+async def _parts(parts: list[object]) -> AsyncIterator[object]:
+    for part in parts:
+        yield part
+
+
+def _relay(parts: list[object]) -> tuple[bytes, list[dict]]:
+    """The body a client gets when a replica answers `parts` inline (no mux), and the messages."""
+    from backfill.entrypoints.ray_serve.asgi_call import Accepted
+    from backfill.entrypoints.ray_serve.ingress import Forwarder
+    from backfill.entrypoints.ray_serve.mux import Inbox
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def run() -> None:
+        forwarder = Forwarder(_FakeHandle(), "replica", "127.0.0.1")  # type: ignore[arg-type]
+        try:
+            start = ResponseStart(200, [(b"content-type", b"text/event-stream")])
+            assert await forwarder._relay(_parts([Accepted(), start, *parts]), Inbox(), send,  # type: ignore[arg-type]
+                                          last_attempt=True)
+        finally:
+            forwarder.muxes._receiver.close()
+
+    asyncio.run(run())
+    assert sent[-1]["type"] == "http.response.body" and sent[-1]["more_body"] is False
+    return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"), sent
+
+
+def test_an_event_stream_a_replica_ends_without_done_ends_with_an_error_event_and_done() -> None:
+    chunk = b'data: {"choices": [{"text": "x", "finish_reason": null}]}\n\n'
+    body, _ = _relay([chunk, chunk])
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert events[:2] == [chunk.decode().strip()] * 2
+    assert json.loads(events[2].removeprefix("data: "))["error"]["code"] == "replica_failed"
+    assert events[3] == "data: [DONE]"
+    # a stream that ends as it should is passed on unchanged (its [DONE] split across parts too)
+    body, _ = _relay([chunk, b"data: [DO", b"NE]\n\n"])
+    assert body == chunk + b"data: [DONE]\n\n"

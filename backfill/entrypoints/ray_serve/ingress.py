@@ -65,6 +65,13 @@ def shut_down() -> APIError:
                     code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+_SSE_DONE_BYTES = SSE_DONE.encode()
+
+
+def _sse_error_end(error: APIError) -> bytes:
+    return (sse(error.to_dict()) + SSE_DONE).encode()
+
+
 class Forwarder:
     """Sends requests to the replicas and their responses back; tracks what is in flight."""
 
@@ -125,6 +132,7 @@ class Forwarder:
         start: ResponseStart | None = None
         streaming = False
         chunks: list[bytes] = []
+        tail = b""  # an event stream's last bytes sent (its end is checked for [DONE])
         try:
             async for part in responses:
                 self.muxes.num_items["inline"] += 1
@@ -140,6 +148,7 @@ class Forwarder:
                             break
                 elif streaming:
                     await send({"type": "http.response.body", "body": part, "more_body": True})
+                    tail = (tail + part)[-len(_SSE_DONE_BYTES):]
                 else:
                     chunks.append(part)
             if streaming and mux:
@@ -152,6 +161,7 @@ class Forwarder:
                 try:
                     async for body in inbox.bodies():
                         await send({"type": "http.response.body", "body": body, "more_body": True})
+                        tail = (tail + body)[-len(_SSE_DONE_BYTES):]
                 except BaseException:
                     follower.cancel()
                     raise
@@ -163,13 +173,19 @@ class Forwarder:
                 return False
             error = shut_down() if self.aborting else replica_failed()
             if streaming:
-                tail = (sse(error.to_dict()) + SSE_DONE).encode()
-                await send({"type": "http.response.body", "body": tail, "more_body": False})
+                await send({"type": "http.response.body", "body": _sse_error_end(error), "more_body": False})
             else:
                 await _send_error(error, send)
             return True
         if streaming:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # An event stream whose replica ended it without [DONE] (its app stopped mid-stream
+            # without raising, as when it took its request for disconnected) still ends as every
+            # stream does: an error event and [DONE], never a bare end.
+            end = b""
+            if not tail.endswith(_SSE_DONE_BYTES):
+                logger.warning("a replica ended an event stream without [DONE]")
+                end = _sse_error_end(shut_down() if self.aborting else replica_failed())
+            await send({"type": "http.response.body", "body": end, "more_body": False})
         elif start is None:
             await _send_error(replica_failed(), send)
         else:
