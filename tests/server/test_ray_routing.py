@@ -343,7 +343,7 @@ async def _parts(parts: list[object]) -> AsyncIterator[object]:
         yield part
 
 
-def _relay(parts: list[object]) -> tuple[bytes, list[dict]]:
+def _relay(parts: list[object], draining: bool = False) -> tuple[bytes, list[dict]]:
     """The body a client gets when a replica answers `parts` inline (no mux), and the messages."""
     from backfill.entrypoints.ray_serve.asgi_call import Accepted
     from backfill.entrypoints.ray_serve.ingress import Forwarder
@@ -356,6 +356,7 @@ def _relay(parts: list[object]) -> tuple[bytes, list[dict]]:
 
     async def run() -> None:
         forwarder = Forwarder(_FakeHandle(), "replica", "127.0.0.1")  # type: ignore[arg-type]
+        forwarder.draining = draining
         try:
             start = ResponseStart(200, [(b"content-type", b"text/event-stream")])
             assert await forwarder._relay(_parts([Accepted(), start, *parts]), Inbox(), send,  # type: ignore[arg-type]
@@ -375,6 +376,10 @@ def test_an_event_stream_a_replica_ends_without_done_ends_with_an_error_event_an
     assert events[:2] == [chunk.decode().strip()] * 2
     assert json.loads(events[2].removeprefix("data: "))["error"]["code"] == "replica_failed"
     assert events[3] == "data: [DONE]"
+    # the server shutting down: the code says so
+    body, _ = _relay([chunk], draining=True)
+    assert json.loads(body.decode().split("\n\n")[1].removeprefix("data: "))["error"]["code"] == "shutting_down"
+    assert body.endswith(b"data: [DONE]\n\n")
     # a stream that ends as it should is passed on unchanged (its [DONE] split across parts too)
     body, _ = _relay([chunk, b"data: [DO", b"NE]\n\n"])
     assert body == chunk + b"data: [DONE]\n\n"

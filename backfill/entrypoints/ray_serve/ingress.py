@@ -82,7 +82,8 @@ class Forwarder:
         self._in_flight: set[DeploymentResponseGenerator] = set()
         self._followers: set[asyncio.Task[None]] = set()
         self.muxes = Muxes(handle, mux_host)
-        self.aborting = False
+        self.draining = False  # the server is shutting down (the drain started)
+        self.aborting = False  # ... and its grace period is over
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
@@ -183,8 +184,8 @@ class Forwarder:
             # stream does: an error event and [DONE], never a bare end.
             end = b""
             if not tail.endswith(_SSE_DONE_BYTES):
-                logger.warning("a replica ended an event stream without [DONE]")
-                end = _sse_error_end(shut_down() if self.aborting else replica_failed())
+                logger.warning("a replica ended an event stream without [DONE]%s", " (draining)" if self.draining else "")
+                end = _sse_error_end(shut_down() if self.draining else replica_failed())
             await send({"type": "http.response.body", "body": end, "more_body": False})
         elif start is None:
             await _send_error(replica_failed(), send)
@@ -264,7 +265,7 @@ def build_ingress(handle: DeploymentHandle, replica_name_prefix: str, *, api_key
     app.state.forwarder = forwarder
 
     async def drain() -> None:
-        state.draining = True
+        state.draining = forwarder.draining = True
         deadline = time.monotonic() + shutdown_timeout
         while state.num_active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
