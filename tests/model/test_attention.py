@@ -68,6 +68,20 @@ def test_paged_matches_naive(
     check_paged_matches_naive(dtype, case, num_heads, num_kv_heads, head_dim, block_size, CPU)
 
 
+def random_step_tensors(gen: torch.Generator, shape: tuple[int, int, int, int], num_tokens: int, num_heads: int,
+                        device: torch.device, cache_dtype: torch.dtype, dtype: torch.dtype, k_scale: float = 1.0,
+                        q_scale: float = 1.0) -> tuple[torch.Tensor, ...]:
+    """Random caches of `shape` [blocks, bs, Hkv, D] in cache_dtype, and a step's K, V [T, Hkv, D]
+    and Q [T, H, D] in dtype (K and Q scaled), drawn from `gen` in that order, on `device`."""
+    num_kv_heads, head_dim = shape[2], shape[3]
+    k_cache = torch.randn(shape, generator=gen).to(device, cache_dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device, cache_dtype)
+    k = (k_scale * torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)).to(device, dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    q = (q_scale * torch.randn(num_tokens, num_heads, head_dim, generator=gen)).to(device, dtype)
+    return k_cache, v_cache, k, v, q
+
+
 def check_paged_matches_naive(dtype: torch.dtype, case: str, num_heads: int, num_kv_heads: int, head_dim: int,
                               block_size: int, device: torch.device) -> None:
     """paged_attention == naive_attention on `device` for one of CASES (tests/gpu reuses it)."""
@@ -78,11 +92,7 @@ def check_paged_matches_naive(dtype: torch.dtype, case: str, num_heads: int, num
     num_tokens = sum(query_lens)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     # Every slot holds random data, including slots no sequence owns: reading one would show.
-    k_cache = torch.randn(shape, generator=gen).to(device, dtype)
-    v_cache = torch.randn(shape, generator=gen).to(device, dtype)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device, dtype)
-    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device, dtype)
-    q = (2 * torch.randn(num_tokens, num_heads, head_dim, generator=gen)).to(device, dtype)
+    k_cache, v_cache, k, v, q = random_step_tensors(gen, shape, num_tokens, num_heads, device, dtype, dtype, q_scale=2)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     scale = head_dim**-0.5
 
@@ -110,11 +120,8 @@ def check_narrow_caches(case: str, dtype: torch.dtype, kv_dtype: torch.dtype, de
     _, meta, _ = make_step(num_computed, query_lens, block_size, num_blocks, seed=7, device=device)
     num_tokens = sum(query_lens)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(device, kv_dtype)
-    v_cache = torch.randn(shape, generator=gen).to(device, kv_dtype)
-    k = (300 * torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)).to(device, dtype)  # some past 448
-    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device, dtype)
-    q = (torch.randn(num_tokens, num_heads, head_dim, generator=gen) / 100).to(device, dtype)
+    k_cache, v_cache, k, v, q = random_step_tensors(gen, shape, num_tokens, num_heads, device, kv_dtype, dtype,
+                                                    k_scale=300, q_scale=0.01)  # K: some past 448
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     stored = k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping]  # [T, Hkv, D]
     assert stored.dtype == kv_dtype and torch.equal(stored, as_cache_elements(k, kv_dtype))

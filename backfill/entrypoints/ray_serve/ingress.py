@@ -184,7 +184,8 @@ class Forwarder:
             # stream does: an error event and [DONE], never a bare end.
             end = b""
             if not tail.endswith(_SSE_DONE_BYTES):
-                logger.warning("a replica ended an event stream without [DONE]%s", " (draining)" if self.draining else "")
+                logger.warning("a replica ended an event stream without [DONE]%s",
+                               " (draining)" if self.draining else "")
                 end = _sse_error_end(shut_down() if self.draining else replica_failed())
             await send({"type": "http.response.body", "body": end, "more_body": False})
         elif start is None:
