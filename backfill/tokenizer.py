@@ -96,11 +96,19 @@ class Tokenizer:
         `encode(apply_chat_template(messages), add_special_tokens=False)` whenever no message
         contains special-token text. Raises ValueError as `apply_chat_template`.
         """
-        if self._chat_encoder is None:
-            self._chat_encoder = _ChatEncoder(self.hf)
-        return self._chat_encoder.encode(self, messages, add_generation_prompt,
+        return self._ensure_chat_encoder().encode(self, messages, add_generation_prompt,
                                          continue_final_message=continue_final_message,
                                          chat_template_kwargs=chat_template_kwargs, tools=tools)
+
+    def _ensure_chat_encoder(self) -> _ChatEncoder:
+        if self._chat_encoder is None:
+            self._chat_encoder = _ChatEncoder(self.hf)
+        return self._chat_encoder
+
+    def warm_up(self) -> None:
+        """Build now what the first chat request would (encode_chat's encoder, ~0.2 s holding
+        the GIL): a server does it before it takes requests, so that no stream waits for it."""
+        self._ensure_chat_encoder()
 
     def _check_template_kwargs(self, kwargs: dict[str, Any] | None) -> dict[str, Any]:
         if kwargs is None:

@@ -86,12 +86,11 @@ class GrammarCompiler:
     def check(self, params: StructuredOutputsParams) -> None:
         """Raise ValueError("structured_outputs.<field>: ...") if the grammar cannot be used:
         rejected when compiled, or given up on before the first token (a copy computes the first
-        mask; bounded by the parser limits, see grammar_text)."""
-        import llguidance.torch
-
+        mask; bounded by the parser limits, see grammar_text). No torch: the API server's process
+        runs this, and importing torch there (~2.5 s, holding the GIL) stalled every stream it
+        served on its first constrained request."""
         matcher = self._compiled(params).deep_copy()
-        mask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
-        llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
+        matcher.compute_bitmask()  # (drops the GIL)
         if matcher.is_error():
             kind, _ = params.source()
             raise ValueError(f"structured_outputs.{kind}: the grammar engine gave up on it: "

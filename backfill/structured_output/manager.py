@@ -159,13 +159,15 @@ class StructuredOutputManager:
         """One mask row per (request id, ready grammar) that samples this step."""
         if not rows:
             return None
-        import llguidance.torch
-
         if self._bitmask.shape[0] < len(rows):
             self._bitmask = torch.zeros((max(len(rows), 2 * self._bitmask.shape[0]), self._bitmask.shape[1]),
                                         dtype=torch.int32)
+        # NOTE: what llguidance.torch.fill_next_token_bitmask does, without importing that module:
+        # it imports torch._dynamo (~1.5 s), which on the first constrained step held every
+        # running stream of the core for as long.
+        row_bytes = self._bitmask.shape[1] * self._bitmask.element_size()
         for index, (_, grammar) in enumerate(rows):
-            llguidance.torch.fill_next_token_bitmask(grammar.matcher, self._bitmask, index)
+            grammar.matcher.unsafe_compute_mask_ptr(self._bitmask[index].data_ptr(), row_bytes)
         return GrammarBitmask([request_id for request_id, _ in rows], self._bitmask[: len(rows)])
 
     def shutdown(self) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -194,3 +196,28 @@ def test_a_grammar_that_fails_in_the_core_ends_its_request(llm_fp32: LLM) -> Non
             break
     assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in outputs] == [("bad", "constraint", [])]
     assert core.scheduler.get_request("bad") is None and not core.has_unfinished_requests()
+
+
+def test_checking_a_constraint_needs_no_torch() -> None:
+    """The API server's process checks each constraint before queuing it (GrammarCompiler.check)
+    and never imports torch: importing it there on the first constrained request took ~2.5 s
+    holding the GIL, and every stream the server was sending stalled meanwhile."""
+    code = (
+        "import sys\n"
+        "from backfill.sampling_params import StructuredOutputsParams as S\n"
+        "from backfill.structured_output.compiler import GrammarCompiler\n"
+        "from backfill.tokenizer import load_tokenizer\n"
+        "compiler = GrammarCompiler(load_tokenizer(None), 49152)\n"
+        "compiler.check(S(json_object=True))\n"
+        "compiler.check(S(json={'type': 'object', 'properties': {'a': {'type': 'integer'}}}))\n"
+        "compiler.check(S(regex='[a-z]+'))\n"
+        "compiler.check(S(choice=['yes', 'no']))\n"
+        "try:\n"
+        "    compiler.check(S(regex='('))\n"
+        "except ValueError as error:\n"
+        "    print(error)\n"
+        "assert 'torch' not in sys.modules, 'check imported torch'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("structured_outputs.regex: "), proc.stdout
