@@ -221,3 +221,21 @@ def test_checking_a_constraint_needs_no_torch() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("structured_outputs.regex: "), proc.stdout
+
+
+def test_the_first_constrained_step_imports_nothing() -> None:
+    """The core fills grammar masks without llguidance.torch, whose import pulls in
+    torch._dynamo (~1.5 s): on the first constrained step that held every running stream."""
+    code = (
+        "import sys\n"
+        "from backfill.engine.llm import LLM\n"
+        "from backfill.sampling_params import SamplingParams, StructuredOutputsParams as S\n"
+        "llm = LLM()\n"
+        "before = set(sys.modules)\n"
+        "out = llm.generate(['Hi'], SamplingParams(max_tokens=8, structured_outputs=S(json_object=True)))\n"
+        "print(out[0].outputs[0].text[:1])\n"
+        "assert not [m for m in set(sys.modules) - before if m.startswith('torch')], 'imported torch modules'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "{", proc.stdout
