@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import threading
 import time
 
@@ -16,6 +14,7 @@ from backfill.engine.llm import LLM
 from backfill.engine.messages import EngineCoreRequest
 from backfill.sampling_params import SamplingParams
 from backfill.sampling_params import StructuredOutputsParams as Structured
+from tests.fresh_python import run_python
 
 PERSON = {
     "type": "object",
@@ -218,9 +217,8 @@ def test_checking_a_constraint_needs_no_torch() -> None:
         "    print(error)\n"
         "assert 'torch' not in sys.modules, 'check imported torch'\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.startswith("structured_outputs.regex: "), proc.stdout
+    out = run_python(code)
+    assert out.startswith("structured_outputs.regex: "), out
 
 
 def test_the_first_constrained_step_imports_nothing() -> None:
@@ -236,6 +234,5 @@ def test_the_first_constrained_step_imports_nothing() -> None:
         "print(out[0].outputs[0].text[:1])\n"
         "assert not [m for m in set(sys.modules) - before if m.startswith('torch')], 'imported torch modules'\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "{", proc.stdout
+    out = run_python(code)
+    assert out.strip() == "{", out

@@ -5,14 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from backfill.model.llama import LlamaForCausalLM
 from backfill.model_files import default_model_path, hf_model_config, read_model_config, resolve_model_path
+from tests.fresh_python import run_python
 
 
 def test_default_model_path_is_the_packaged_gguf() -> None:
@@ -49,9 +48,7 @@ def test_tokenizer_and_model_config_need_no_torch() -> None:
         "assert 'torch' not in sys.modules, 'read_model_config(None)'\n"
         "print(tokenizer.vocab_size, config.vocab_size)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["49152", "49152"]
+    assert run_python(code).split() == ["49152", "49152"]
 
 
 def test_gguf_config_is_the_loaders(our_model: LlamaForCausalLM) -> None:
