@@ -97,8 +97,8 @@ class Tokenizer:
         contains special-token text. Raises ValueError as `apply_chat_template`.
         """
         return self._ensure_chat_encoder().encode(self, messages, add_generation_prompt,
-                                         continue_final_message=continue_final_message,
-                                         chat_template_kwargs=chat_template_kwargs, tools=tools)
+                                                  continue_final_message=continue_final_message,
+                                                  chat_template_kwargs=chat_template_kwargs, tools=tools)
 
     def _ensure_chat_encoder(self) -> _ChatEncoder:
         if self._chat_encoder is None:
