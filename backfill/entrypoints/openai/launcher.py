@@ -171,6 +171,7 @@ def start_engine(config: EngineConfig) -> tuple[CoreProcess, CoreInfo, Tokenizer
     core.launch()  # the model loads there while the tokenizer loads here
     try:
         tokenizer = load_tokenizer(config.model)
+        tokenizer.warm_up()  # (build_app would: here it overlaps the model's load)
         info = core.wait_ready()
     except BaseException:
         core.close()
