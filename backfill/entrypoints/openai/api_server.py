@@ -240,7 +240,7 @@ def build_app(core: CoreProcess, info: CoreInfo, tokenizer: Tokenizer, *, served
     # holding the GIL), built before the server takes requests: built by those requests, each
     # stalled every stream the server was sending.
     tokenizer.warm_up()
-    serving.grammar_compiler.ll_tokenizer  # noqa: B018 (built on first use)
+    serving.grammar_compiler.warm_up()
     state = ServerState()
     created = int(time.time())
 
