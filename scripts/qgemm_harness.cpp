@@ -2,7 +2,10 @@
 // Q4_1 or Q8_0 matrix [N, K] (fixed scales, random codes: the speed does not depend on them)
 // times M rows of x, run back to back (the weights stay in L2 / L3 from N x K ~ 1 MB), for the
 // AVX2 and the AVX-512 units (where the CPU runs them). Prints the best of 7 bursts and weights x
-// rows a cycle at GHZ (default 3.63, a Zen 4 EPYC here). Built and run by scripts/qgemm_harness.sh.
+// rows a cycle at GHZ (default 3.63, a Zen 4 EPYC here). The 4-bit codes in their subnormal form
+// unless SUBNORMAL=0 (a CPU that reads subnormals through a microcode assist, as the Xeons here,
+// runs the converted form: python -m backfill.kernels says which). Built and run by
+// scripts/qgemm_harness.sh.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -37,7 +40,7 @@ int main(int argc, char** argv) {
   float* y = static_cast<float*>(aligned_alloc(64, m * n * 4));
   float* scratch = static_cast<float*>(aligned_alloc(64, job_scratch_floats(k) * 4));
   TileJob job{x, m, k, w, q8 ? QType::Q8_0 : QType::Q4_1, n, k, nullptr, y, n, false, 0, tiles, scratch, nullptr, 0, 0};
-  job.subnormal_codes = true;
+  job.subnormal_codes = !getenv("SUBNORMAL") || atoi(getenv("SUBNORMAL")) != 0;  // default on
   const int64_t calls = 2000 / m + 1;
   for (int isa = 0; isa < 2; ++isa) {
     if (isa == 1 && !__builtin_cpu_supports("avx512bw")) break;
