@@ -8,6 +8,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -124,6 +125,53 @@ int main() {
     }
   std::printf("of 256 results, differ from an fp32 FMA chain: %d, from exact tile sums rounded once: %d\n",
               chain_differs, exact_differs);
+
+  // Numbers both units compute exactly: x on its block's fixed-point grid, 28 bits (X = x
+  // 2^(26 - E) truncated, E the exponent of the block's largest |x|), cut into 7-bit digits
+  // X = L0 2^21 + L1 2^14 + L2 2^7 + L3 (L0 signed); the tile unit sums codes (0 .. 15) times
+  // L0 2^7 and L1 into one tile, times L2 2^7 and L3 into another: every partial sum is an
+  // integer below 2^23, so any order gives the same bits, and an fp32 FMA chain over
+  // q (L0 2^7 + L1) reproduces the first tile exactly.
+  {
+    std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+    alignas(64) static uint16_t hi[2][16 * 32], codes[16 * 32];
+    alignas(64) static float ca[16 * 16];
+    float xs[16][32], chain_a[16][16];
+    for (int r = 0; r < 16; ++r)
+      for (int k = 0; k < 32; ++k) xs[r][k] = std::ldexp(uniform(rng), exponent(rng) / 4);
+    for (auto& v : codes) v = bf16_of(static_cast<float>(rng() % 16));
+    for (int r = 0; r < 16; ++r) {
+      float largest = 0.0f;
+      for (float v : xs[r]) largest = std::max(largest, std::fabs(v));
+      const float scale = std::ldexp(1.0f, 26 - std::ilogb(largest));
+      int32_t digits01[32];
+      for (int k = 0; k < 32; ++k) {
+        const int32_t x = static_cast<int32_t>(xs[r][k] * scale);
+        const int32_t l0 = x >> 21, l1 = (x - l0 * (1 << 21)) >> 14;
+        hi[0][32 * r + k] = bf16_of(static_cast<float>(l0 * 128));
+        hi[1][32 * r + k] = bf16_of(static_cast<float>(l1));
+        digits01[k] = l0 * 128 + l1;
+      }
+      for (int j = 0; j < 16; ++j) {
+        float c = 0.0f;
+        for (int k = 0; k < 32; ++k)
+          c = std::fma(float_of(codes[32 * (k / 2) + 2 * j + k % 2]), static_cast<float>(digits01[k]), c);
+        chain_a[r][j] = c;
+      }
+    }
+    configure(16);
+    _tile_loadd(1, codes, 64);
+    _tile_zero(0);
+    _tile_loadd(2, hi[0], 64);
+    _tile_dpbf16ps(0, 2, 1);
+    _tile_loadd(2, hi[1], 64);
+    _tile_dpbf16ps(0, 2, 1);
+    _tile_stored(0, ca, 64);
+    int differ = 0;
+    for (int r = 0; r < 16; ++r)
+      for (int j = 0; j < 16; ++j) differ += ca[16 * r + j] != chain_a[r][j];
+    std::printf("fixed-point digits: of 256 tile sums, differ from the fp32 FMA chain: %d\n", differ);
+  }
 
   for (int rows : {16, 1}) {
     configure(rows);
