@@ -158,10 +158,10 @@ float* ensure(std::vector<float>& buf, int64_t numel) {
 // together), at most 16 MB; 8 MB where unknown. On Intel cores 1 MB: there a software prefetch
 // holds one of the core's few line fill buffers until its line arrives, and the MLP's GEMMs wait
 // for them. On a 2-core Xeon with AVX-512 and AMX (session 61, one process, interleaved) 32
-// decodes at 400 tokens of context stepped in 61.2 ms with 1 MB a shard against 65.4 with the
-// ~5.4 MB the MLP's idle bus allowed (linears 35.5 -> 31.7 ms, attention ~1 ms slower) and 61.9
-// with none, batch 8-16 within 1-2%; 64 mixed requests served 4% faster. On the Zen 4 / 5
-// EPYCs it was measured on, more K/V prefetched was better up to all of it.
+// decodes at 400 tokens of context stepped in 58.8 ms with 1 MB a shard against 64.3 with the
+// ~5.4 MB the MLP's idle bus allowed (linears 34.3 -> 28.6 ms, attention ~1 ms slower) and 58.9
+// with none; 16 decodes 5% faster, 8 the same; 64 mixed requests served ~4.5% faster. On the
+// Zen 4 / 5 EPYCs it was measured on, more K/V prefetched was better up to all of it.
 int64_t default_kv_prefetch_cap() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
