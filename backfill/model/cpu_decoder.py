@@ -243,8 +243,9 @@ class CpuDecoder:
     @property
     def kv_prefetch_cap(self) -> int:
         """The most bytes of a layer's K/V the step prefetches while the layer before runs its
-        o_proj and MLP (a quarter of the L3 cache by default; less where those GEMMs leave the
-        memory bus little idle time; 0: none). It changes no result, only where the reads wait."""
+        o_proj and MLP (by default a quarter of the L3 cache, 1 MB on Intel cores; less where those
+        GEMMs leave the memory bus little idle time; 0: none). It changes no result, only where the
+        reads wait."""
         return int(self._step.kv_prefetch_cap)
 
     @kv_prefetch_cap.setter
