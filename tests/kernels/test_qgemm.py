@@ -80,6 +80,16 @@ def restore_subnormal() -> Iterator[None]:
     ext.set_subnormal_codes(before)
 
 
+@pytest.fixture
+def fp32_chains() -> Iterator[None]:
+    """The Q4_0 / Q4_1 products as TileJob's fp32 chains, not in the digit form (digits.h), which
+    is on by default where the CPU has AMX."""
+    before = ext.digit_form()
+    ext.set_digit_form(False)
+    yield
+    ext.set_digit_form(before)
+
+
 def use_isa(name: str) -> None:
     if not ext.set_isa(name):
         pytest.skip(f"this CPU cannot run the {name} kernels")
@@ -146,10 +156,11 @@ def block_sum(x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
-def test_block_types_compute_the_factored_sum(name: str, isa: str, restore_isa: None) -> None:
+def test_block_types_compute_the_factored_sum(name: str, isa: str, restore_isa: None, fp32_chains: None) -> None:
     """TileJob's definition, written out from the GGUF blocks: y = fma(S_b, d_b, y), then
     y = fma(X_b, m_b, y) over the blocks, S_b the fma chain of x * code over the block (Q8_0's
-    codes q + 128, its offset -128 d)."""
+    codes q + 128, its offset -128 d). (Q4_1 where the digit form is off: test_digits.py has
+    that form's definition.)"""
     use_isa(isa)
     qtype, n, k, raw, packed = packed_case(name, seed=5)
     blocks = raw.numpy().reshape(n, k // 32, -1)  # [N, blocks, bytes]

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <vector>
 
+#include "digits.h"
 #include "isa.h"
 #include "q8.h"
 #include "qgemm.h"
@@ -64,11 +65,101 @@ Isa isa() {
 
 bool cpu_has_vnni() {
 #if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512vnni");
+  static const bool vnni = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") != 0;
+  }();
+  return vnni;
 #else
   return false;
 #endif
+}
+
+// The digit form's kernels run vectorized where the AVX-512 ones do and VNNI is there; elsewhere
+// (AVX2, scalar, AVX-512 without VNNI) the portable ones, slowly: the form is then on only where
+// asked for (tests).
+bool digit_kernels_fast() { return isa() == Isa::Avx512 && cpu_has_vnni(); }
+
+std::atomic<int> g_digits{-1};  // 0 / 1, or -1 before the first use
+
+bool use_digit_form() {
+  int v = g_digits.load(std::memory_order_acquire);
+  if (v < 0) {
+    const char* env = std::getenv("BACKFILL_DIGITS");
+    if (env != nullptr && (std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0)) v = env[0] == '1';
+    else v = isa() == Isa::Avx512 && cpu_has_vnni() && amx_ready() ? 1 : 0;
+    int expected = -1;
+    if (!g_digits.compare_exchange_strong(expected, v, std::memory_order_acq_rel)) v = expected;
+  }
+  return v == 1;
+}
+
+// The fewest rows a group of 16 runs on the tile unit with (0: none): a partial group below it
+// takes the vector dots.
+int64_t amx_min_rows() {
+  static const int64_t rows = [] {
+    if (!amx_ready()) return int64_t{0};
+    const char* env = std::getenv("BACKFILL_AMX_ROWS");
+    if (env != nullptr && *env != '\0') return static_cast<int64_t>(std::atoi(env));
+    return int64_t{8};
+  }();
+  return rows;
+}
+
+// x's digit form: the rows below the AMX groups (if any) prepared by every thread for itself, the
+// AMX groups once for all: with a team of several threads, each prepares its share of the groups
+// and syncs (TeamBarrier::parts), so a team thread returns from here only once all have come;
+// without one, over torch's pool. Kept between calls (per thread).
+DigitRows prepare_x_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, const Team* team,
+                           const PackedMatrix& w) {
+  thread_local std::vector<uint8_t> rows_buf, group_buf[2];
+  thread_local std::vector<const uint8_t*> group_at;
+  const bool fast = digit_kernels_fast();
+  const int64_t nb = cols / 32, amx_end = fast ? digit_amx_end(m, amx_min_rows()) : 0;
+  const int64_t groups = (amx_end + 15) / 16, group_bytes = nb * kDigitGroupBlockBytes;
+  const int64_t rows_bytes = digit_buffer_bytes(m, nb);
+  if (static_cast<int64_t>(rows_buf.size()) < rows_bytes) rows_buf.resize(static_cast<size_t>(rows_bytes));
+  const DigitBuffers out = digit_buffers(rows_buf.data(), m, nb);
+  if (fast) prepare_digits_avx512(x, m, ldx, cols, out, amx_end);
+  else prepare_digits(x, m, ldx, cols, out);
+  DigitRows rows{out.xa, out.xb, out.u, out.xs, out.sa, out.sb, m, nb};
+  if (groups == 0) return rows;
+  group_at.resize(static_cast<size_t>(groups));
+  const auto own = [&](std::vector<uint8_t>& buf, int64_t count) {
+    const int64_t need = count * group_bytes + 64;
+    if (static_cast<int64_t>(buf.size()) < need) buf.resize(static_cast<size_t>(need));
+    return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+  };
+  const bool shared = team != nullptr && team->size > 1 && team->barrier != nullptr && team->size <= TeamBarrier::kMaxParts;
+  if (!shared) {
+    uint8_t* base = own(group_buf[0], groups);
+    if (team == nullptr)
+      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+        build_digit_groups(x, ldx, cols, amx_end, g0, g1, base + g0 * group_bytes);
+      });
+    else
+      build_digit_groups(x, ldx, cols, amx_end, 0, groups, base);
+    for (int64_t g = 0; g < groups; ++g) group_at[static_cast<size_t>(g)] = base + g * group_bytes;
+  } else {
+    TeamBarrier& shared_at = *team->barrier;
+    const int64_t parity = shared_at.calls[team->index]++ % 2;
+    const auto [g0, g1] = team->share(groups, 1);
+    uint8_t* base = own(group_buf[parity], g1 > g0 ? g1 - g0 : 0);
+    build_digit_groups(x, ldx, cols, amx_end, g0, g1, base);
+    shared_at.parts[parity][team->index] = base;
+    const uint8_t *ahead = nullptr, *ahead_end = nullptr;
+    packed_gemm_share(w, m, *team, &ahead, &ahead_end);
+    team->sync(ahead, ahead_end);
+    // group g's owner: the thread whose share holds it (Team::share's cut)
+    const int64_t chunks = std::min(team->size, groups), chunk = (groups + chunks - 1) / chunks;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t owner = groups <= 1 ? 0 : g / chunk;
+      group_at[static_cast<size_t>(g)] = shared_at.parts[parity][owner] + (g - owner * chunk) * group_bytes;
+    }
+  }
+  rows.groups = group_at.data();
+  rows.amx_end = amx_end;
+  return rows;
 }
 
 // The int8-activation kernels of one ISA: x's quantization and the GEMM.
@@ -204,6 +295,10 @@ bool set_active_isa(const char* name) {
 bool subnormal_codes() { return use_subnormal_codes(); }
 void set_subnormal_codes(bool on) { g_subnormal.store(on ? 1 : 0, std::memory_order_release); }
 
+bool digit_form() { return use_digit_form(); }
+void set_digit_form(bool on) { g_digits.store(on ? 1 : 0, std::memory_order_release); }
+bool amx_active() { return use_digit_form() && digit_kernels_fast() && amx_min_rows() > 0; }
+
 const char* q8_isa() { return q8_kernels().gemm == q8_gemm_avx512vnni ? "avx512vnni" : active_isa(); }
 
 int64_t packed_bytes(QType type, int64_t rows, int64_t cols) { return num_tiles(rows) * tile_bytes(type, cols); }
@@ -235,6 +330,17 @@ void packed_gemm(const float* x, int64_t m, int64_t ldx, const PackedMatrix& w, 
     for_share(team, tiles, gemm_grain(w, m), [&](int64_t begin, int64_t end) {
       kernels.gemm(Q8Job{xq, w.data, w.type, w.rows, w.cols, bias, y, ldy, accumulate, begin, end, side,
                          side_lines * begin / tiles, side_lines * end / tiles});
+    });
+    return;
+  }
+  if (digit_type(w.type) && use_digit_form()) {
+    const DigitRows xd = prepare_x_digits(x, m, ldx, w.cols, team, w);
+    const bool fast = digit_kernels_fast();
+    for_share(team, tiles, gemm_grain(w, m), [&](int64_t begin, int64_t end) {
+      const DigitJob job{xd,    w.data, w.type, w.rows, w.cols, bias, y, ldy, accumulate, begin, end,
+                         side, side_lines * begin / tiles, side_lines * end / tiles};
+      if (fast) digits_gemm_avx512(job);
+      else digits_gemm_scalar(job);
     });
     return;
   }

@@ -75,6 +75,17 @@ class TeamBarrier {
 
  private:
   static constexpr int64_t kSpins = 1 << 14;  // ~0.5-1 ms of pause instructions
+
+ public:
+  // Work one thread prepares for all (packed_gemm's digit-form x, qgemm.cpp): each thread's part
+  // of call c lies at parts[c % 2][index] (its own memory, written before the sync that publishes
+  // it; the other slot is its call c - 1's, which the others may still be reading), and calls[index]
+  // counts its calls. kMaxParts threads at most (larger teams do not share).
+  static constexpr int64_t kMaxParts = 256;
+  const uint8_t* parts[2][kMaxParts] = {};
+  int64_t calls[kMaxParts] = {};
+
+ private:
   alignas(64) std::atomic<int64_t> arrived_{0};
   alignas(64) std::atomic<int64_t> generation_{0};
   std::atomic<int64_t> size_{1};

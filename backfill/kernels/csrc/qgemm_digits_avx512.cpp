@@ -1,0 +1,454 @@
+// The digit form's kernels (digits.h) on AVX-512: x's preparation, vpdpwssd dots for a few rows,
+// and the AMX tile unit (TDPBF16PS) for groups of 16 rows, all to the bits of digits_gemm_scalar.
+// A unit of its own: its target adds VNNI, AVX512-BF16 and AMX, which only the CPUs that pass
+// amx_ready() / the VNNI check in qgemm.cpp run (isa.h).
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c")
+#include <cpuid.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "simd_avx512.h"
+
+#include "qgemm_kernels.h"
+#include "digits.h"
+
+#define DG_AI inline __attribute__((always_inline))
+#define DG_UNROLL _Pragma("GCC unroll 16")
+
+namespace backfill {
+namespace {
+
+// The pair order (digit_pair_column) within each 16 columns: element j takes column kPairOrder[j].
+alignas(64) constexpr int32_t kPairOrder[16] = {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15};
+
+// Block b's codes (4 nibble words) of the 16 rows of `tile`, and its scale d and offset m.
+template <QType T>
+DG_AI const uint8_t* digit_weight_block(const uint8_t* tile, int64_t b, VF* d, VF* m) {
+  const uint8_t* blk = tile + b * kTileRows * block_bytes(T);
+  *d = vf_load_f16(blk);
+  if constexpr (T == QType::Q4_1) {
+    *m = vf_load_f16(blk + tile_off::kQ4_1M);
+    return blk + tile_off::kQ4_1Qs;
+  } else {
+    *m = vf_mul(*d, vf_set1(-8.0f));
+    return blk + tile_off::kQ4_0Qs;
+  }
+}
+
+// One block's exact sums of MR rows x NT tiles folded into y: S = fma(ca, 2^14 u, cb u),
+// y = fma(S, d, y), y = fma(Xb, m, y).
+template <int MR, int NT>
+DG_AI void digit_fold(const DigitRows& x, int64_t row0, int64_t b, const VI (&ca)[MR][NT], const VI (&cb)[MR][NT],
+                      const VF* d, const VF* m, VF (&y)[MR][NT]) {
+  DG_UNROLL for (int i = 0; i < MR; ++i) {
+    const int64_t at = (row0 + i) * x.nb + b;
+    const VF ua = vf_set1(x.u[at] * 16384.0f), ub = vf_set1(x.u[at]), xs = vf_set1(x.xs[at]);
+    DG_UNROLL for (int t = 0; t < NT; ++t) {
+      const VF s = vf_fma(vi_to_f(ca[i][t]), ua, vf_mul(vi_to_f(cb[i][t]), ub));
+      y[i][t] = vf_fma(m[t], xs, vf_fma(s, d[t], y[i][t]));
+    }
+  }
+}
+
+// Rows [row0, row0 + MR) against tiles [tile0, tile0 + NT) with vpdpwssd: a nibble word's lane
+// gives columns c and c + 4 of its 8 as one 16-bit pair by a shift and an and, dotted with x's
+// pair (XA or XB) of those columns. Prefetching as q8_block does.
+template <QType T, int MR, int NT>
+__attribute__((noinline)) void digit_block(const DigitJob& job, int64_t row0, int64_t tile0, bool lead,
+                                           SideCursor& side) {
+  const int64_t tb = tile_bytes(job.type, job.cols), nb = job.x.nb, cb = tb / nb;
+  if (lead && tile0 == job.tile_begin)
+    for (int64_t c = 0; c < kFusedPrefetchChunks; ++c) prefetch_chunk<NT>(job, tile0, c, nb, tb, cb);
+  const uint8_t* tiles[NT];
+  DG_UNROLL for (int t = 0; t < NT; ++t) tiles[t] = job.w + (tile0 + t) * tb;
+  VF y[MR][NT];
+  DG_UNROLL for (int i = 0; i < MR; ++i) DG_UNROLL for (int t = 0; t < NT; ++t) y[i][t] = vf_zero();
+  const __m512i mask = _mm512_set1_epi32(0x000F000F);
+  for (int64_t b = 0; b < nb; ++b) {
+    if (lead) prefetch_chunk<NT>(job, tile0, b + kFusedPrefetchChunks, nb, tb, cb);
+    side.burst();
+    const uint8_t* qs[NT];
+    VF d[NT], m[NT];
+    DG_UNROLL for (int t = 0; t < NT; ++t) qs[t] = digit_weight_block<T>(tiles[t], b, &d[t], &m[t]);
+    VI ca[MR][NT], cbs[MR][NT];
+    DG_UNROLL for (int i = 0; i < MR; ++i) DG_UNROLL for (int t = 0; t < NT; ++t) {
+      ca[i][t] = VI{_mm512_setzero_si512()};
+      cbs[i][t] = VI{_mm512_setzero_si512()};
+    }
+    DG_UNROLL for (int w = 0; w < 4; ++w) {
+      __m512i v[NT];
+      DG_UNROLL for (int t = 0; t < NT; ++t) v[t] = _mm512_loadu_si512(qs[t] + 64 * w);
+      DG_UNROLL for (int c = 0; c < 4; ++c) {
+        __m512i code[NT];
+        DG_UNROLL for (int t = 0; t < NT; ++t) code[t] = _mm512_and_si512(_mm512_srli_epi32(v[t], 4 * c), mask);
+        DG_UNROLL for (int i = 0; i < MR; ++i) {
+          const int64_t at = ((row0 + i) * nb + b) * 32 + 2 * (4 * w + c);
+          int32_t pa, pb;
+          __builtin_memcpy(&pa, job.x.xa + at, 4);
+          __builtin_memcpy(&pb, job.x.xb + at, 4);
+          const __m512i ba = _mm512_set1_epi32(pa), bb = _mm512_set1_epi32(pb);
+          DG_UNROLL for (int t = 0; t < NT; ++t) {
+            ca[i][t].v = _mm512_dpwssd_epi32(ca[i][t].v, code[t], ba);
+            cbs[i][t].v = _mm512_dpwssd_epi32(cbs[i][t].v, code[t], bb);
+          }
+        }
+      }
+    }
+    digit_fold<MR, NT>(job.x, row0, b, ca, cbs, d, m, y);
+  }
+  store_acc<MR, NT>(y, job, row0, tile0);
+}
+
+template <int N>
+struct Int {
+  static constexpr int value = N;
+};
+
+constexpr int kDigitNT1 = 4;  // one row: 4 tiles
+constexpr int kDigitNT = 2;   // more rows: 2 tiles x up to 4 rows
+constexpr int kDigitMR = 4;
+
+template <QType T, int NT, int MR = 1>
+void digit_rows(const DigitJob& job, int mr, int64_t row0, int64_t tile0, bool lead, SideCursor& side) {
+  if constexpr (MR < kDigitMR) {
+    if (mr != MR) return digit_rows<T, NT, MR + 1>(job, mr, row0, tile0, lead, side);
+  }
+  digit_block<T, MR, NT>(job, row0, tile0, lead, side);
+}
+
+// Rows [r0, r1) with the vector dots: tiles in groups, rows kDigitMR at a time (as q8_run).
+template <QType T>
+void vnni_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
+  int64_t tile = job.tile_begin;
+  if (r1 - r0 == 1) {
+    for (; tile + kDigitNT1 <= job.tile_end; tile += kDigitNT1) digit_block<T, 1, kDigitNT1>(job, r0, tile, true, side);
+    for (; tile < job.tile_end; ++tile) digit_block<T, 1, 1>(job, r0, tile, true, side);
+    return;
+  }
+  const auto rows = [&](auto nt, int64_t tile0) {
+    for (int64_t row = r0; row < r1; row += kDigitMR)
+      digit_rows<T, decltype(nt)::value>(job, static_cast<int>(r1 - row < kDigitMR ? r1 - row : kDigitMR), row, tile0,
+                                         row == r0, side);
+  };
+  for (; tile + kDigitNT <= job.tile_end; tile += kDigitNT) rows(Int<kDigitNT>{}, tile);
+  for (; tile < job.tile_end; ++tile) rows(Int<1>{}, tile);
+}
+
+int64_t vnni_bursts(int64_t rows, int64_t tiles, int64_t nb) {
+  if (rows <= 0) return 0;
+  if (rows == 1) return (tiles / kDigitNT1 + tiles % kDigitNT1) * nb;
+  return (tiles / kDigitNT + tiles % kDigitNT) * ((rows + kDigitMR - 1) / kDigitMR) * nb;
+}
+
+// ---------------------------------------------------------------------------------------------
+// AMX: per group of up to 16 rows, the A tiles of every block (x's 4 digits, bf16, 16 rows x
+// 32 columns in pair order, each 1 KB: XA's high and low 7 bits times 2^14 u, XB's times u) and
+// the sum tiles' starting values (-16 sum XA 2^14 u, -16 sum XB u, every column), built once per
+// job; then per chunk of kAmxChunk tiles, blocks outer (the group's 4 A tiles stay in tile
+// registers), tiles inner: the tile block's codes converted to bf16(16 + q) (one shift and one
+// ternary logic per 8 columns: 16 + q's bf16 is 0x4180 | q << 3) kConvAhead tile blocks ahead into
+// a ring, 4 TDPBF16PS into two sum tiles, stored and folded into y kFoldLag tile blocks later.
+// Tiles: 0-3 A, 4 and 7 B (alternating), 5 and 6 the sums.
+
+constexpr int kAmxChunk = 8;
+constexpr int kConvAhead = 4;
+constexpr int kFoldLag = 4;
+constexpr int kRing = 8;  // > kConvAhead + kFoldLag: a slot is reused after both are done with it
+
+struct TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+void load_tile_config(int rows) {
+  alignas(64) TileConfig cfg;
+  __builtin_memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  const int group_tiles[] = {0, 1, 2, 3, 5, 6};  // A and the sums: the group's rows
+  for (int t : group_tiles) cfg.rows[t] = static_cast<uint8_t>(rows);
+  _tile_loadconfig(&cfg);
+}
+
+// This thread's scratch, 64-byte aligned, grown on demand and kept (never freed: one per thread).
+uint8_t* amx_scratch(int64_t bytes) {
+  static thread_local uint8_t* buf = nullptr;
+  static thread_local int64_t cap = 0;
+  if (cap < bytes) {
+    free(buf);
+    cap = (bytes + 4095) / 4096 * 4096;
+    buf = static_cast<uint8_t*>(aligned_alloc(64, static_cast<size_t>(cap)));
+    __builtin_memset(buf, 0, static_cast<size_t>(cap));  // (a partial group's sum rows past its own are read, never stored)
+  }
+  return buf;
+}
+
+// One tile block's codes as the B tile: row p = 4 w + c holds the 16 rows' pairs (16 + q of
+// columns 8 w + c, 8 w + c + 4) as bf16.
+DG_AI void convert_codes(const uint8_t* qs, uint16_t* out) {
+  const __m512i bias = _mm512_set1_epi32(0x41804180), mask = _mm512_set1_epi32(0x00780078);
+  DG_UNROLL for (int w = 0; w < 4; ++w) {
+    const __m512i word = _mm512_loadu_si512(qs + 64 * w);  // (Q4_0's tile blocks are 288 bytes)
+    // (ternary logic 0xEA: (a & b) | c)
+    _mm512_store_si512(out + 32 * (4 * w + 0), _mm512_ternarylogic_epi32(_mm512_slli_epi32(word, 3), mask, bias, 0xEA));
+    _mm512_store_si512(out + 32 * (4 * w + 1), _mm512_ternarylogic_epi32(_mm512_srli_epi32(word, 1), mask, bias, 0xEA));
+    _mm512_store_si512(out + 32 * (4 * w + 2), _mm512_ternarylogic_epi32(_mm512_srli_epi32(word, 5), mask, bias, 0xEA));
+    _mm512_store_si512(out + 32 * (4 * w + 3), _mm512_ternarylogic_epi32(_mm512_srli_epi32(word, 9), mask, bias, 0xEA));
+  }
+}
+
+// Groups of rows [r0, r1) (16 each, the last one fewer) against the job's tiles on the tile unit.
+template <QType T>
+void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
+  constexpr int64_t kBlockBytes = kTileRows * 20 - (T == QType::Q4_0 ? 32 : 0);  // 320 / 288
+  constexpr int64_t kQs = T == QType::Q4_1 ? tile_off::kQ4_1Qs : tile_off::kQ4_0Qs;
+  const int64_t nb = job.x.nb, tb = nb * kBlockBytes, groups = (r1 - r0 + 15) / 16;
+  uint8_t* scratch = amx_scratch(kRing * 512 * 4 + kRing * 512 * 2 + 16 * kAmxChunk * 16 * 4);
+  float* sums = reinterpret_cast<float*>(scratch);                   // [kRing][2][16][16]
+  uint16_t* ring = reinterpret_cast<uint16_t*>(sums + kRing * 512);  // [kRing][16][32]
+  float* ybuf = reinterpret_cast<float*>(ring + kRing * 512);        // [16][kAmxChunk][16]
+  int cfg_rows = -1;
+  const uint8_t* const w_end = job.w + job.tile_end * tb;
+  for (int64_t t0 = job.tile_begin; t0 < job.tile_end; t0 += kAmxChunk) {
+    const int ct = static_cast<int>(job.tile_end - t0 < kAmxChunk ? job.tile_end - t0 : kAmxChunk);
+    const int64_t nj = nb * ct;
+    const uint8_t* chunk = job.w + t0 * tb;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int rows = static_cast<int>(r1 - r0 - 16 * g < 16 ? r1 - r0 - 16 * g : 16);
+      if (rows != cfg_rows) {
+        load_tile_config(rows);
+        cfg_rows = rows;
+      }
+      const uint8_t* grp = job.x.groups[r0 / 16 + g];
+      for (int i = 0; i < 16 * kAmxChunk * 16; i += 16) _mm512_store_ps(ybuf + i, _mm512_setzero_ps());
+      const int64_t ystride = ct * 16;
+      // tile block j = b ct + tt: tile t0 + tt, block b
+      const auto block_at = [&](int64_t j) { return chunk + (j % ct) * tb + (j / ct) * kBlockBytes; };
+      const auto conv = [&](int64_t j) {
+        const uint8_t* p = block_at(j);
+        if (g == 0) {  // the chunk's first pass reads it from memory: two blocks of the tile ahead, into L2
+          const uint8_t* ahead = p + 2 * kBlockBytes;
+          if (ahead + kBlockBytes <= w_end)
+            for (int l = 0; l < kBlockBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T1);
+        }
+        convert_codes(p + kQs, ring + (j % kRing) * 512);
+      };
+      const auto fold = [&](int64_t j) {
+        const float* ca = sums + (j % kRing) * 512;
+        const float* cb = ca + 256;
+        VF d, m;
+        digit_weight_block<T>(block_at(j), 0, &d, &m);
+        const float* xs = reinterpret_cast<const float*>(grp + (j / ct) * kDigitGroupBlockBytes + 6 * 1024);
+        float* yb = ybuf + (j % ct) * 16;
+        DG_UNROLL for (int i = 0; i < 16; ++i) {
+          const __m512 s = _mm512_add_ps(_mm512_load_ps(ca + 16 * i), _mm512_load_ps(cb + 16 * i));
+          __m512 yv = _mm512_load_ps(yb + i * ystride);
+          yv = _mm512_fmadd_ps(s, d.v, yv);
+          yv = _mm512_fmadd_ps(_mm512_set1_ps(xs[i]), m.v, yv);
+          _mm512_store_ps(yb + i * ystride, yv);
+        }
+      };
+      for (int64_t j = 0; j < kConvAhead && j < nj; ++j) conv(j);
+      int64_t j = 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* a = grp + b * kDigitGroupBlockBytes;
+        _tile_loadd(0, a, 64);
+        _tile_loadd(1, a + 1024, 64);
+        _tile_loadd(2, a + 2048, 64);
+        _tile_loadd(3, a + 3072, 64);
+        for (int tt = 0; tt < ct; ++tt, ++j) {
+          side.burst();
+          const uint16_t* bt = ring + (j % kRing) * 512;
+          float* cdst = sums + (j % kRing) * 512;
+          _tile_loadd(5, a + 4096, 64);
+          _tile_loadd(6, a + 4096 + 1024, 64);
+          if (j & 1) {
+            _tile_loadd(7, bt, 64);
+            _tile_dpbf16ps(5, 0, 7);
+            _tile_dpbf16ps(6, 2, 7);
+            _tile_dpbf16ps(5, 1, 7);
+            _tile_dpbf16ps(6, 3, 7);
+          } else {
+            _tile_loadd(4, bt, 64);
+            _tile_dpbf16ps(5, 0, 4);
+            _tile_dpbf16ps(6, 2, 4);
+            _tile_dpbf16ps(5, 1, 4);
+            _tile_dpbf16ps(6, 3, 4);
+          }
+          _tile_stored(5, cdst, 64);
+          _tile_stored(6, cdst + 256, 64);
+          if (j + kConvAhead < nj) conv(j + kConvAhead);
+          if (j >= kFoldLag) fold(j - kFoldLag);
+        }
+      }
+      for (int64_t k = nj - kFoldLag < 0 ? 0 : nj - kFoldLag; k < nj; ++k) fold(k);
+      for (int i = 0; i < rows; ++i)
+        for (int tt = 0; tt < ct; ++tt) {
+          const VF acc[1][1] = {{VF{_mm512_load_ps(ybuf + i * ystride + tt * 16)}}};
+          store_acc<1, 1>(acc, job, r0 + 16 * g + i, t0 + tt);
+        }
+    }
+  }
+  _tile_release();
+}
+
+template <QType T>
+void run_digits(const DigitJob& job) {
+  const int64_t m = job.x.m, tiles = job.tile_end - job.tile_begin, nb = job.x.nb, amx_end = job.x.amx_end;
+  SideCursor side;
+  side.start(job.side, job.side_begin, job.side_end, (amx_end + 15) / 16 * tiles * nb + vnni_bursts(m - amx_end, tiles, nb));
+  if (amx_end > 0) amx_rows<T>(job, 0, amx_end, side);
+  if (amx_end < m) {
+    // rows in chunks (~256 KB of x's digits kept in L2 while the tiles pass over them)
+    const int64_t chunk = (int64_t{1} << 18) / (job.cols * 4) > kDigitMR ? (int64_t{1} << 18) / (job.cols * 4) : kDigitMR;
+    for (int64_t r0 = amx_end; r0 < m; r0 += chunk) vnni_rows<T>(job, r0, r0 + chunk < m ? r0 + chunk : m, side);
+  }
+}
+
+// One row-block of x on the grid: XA and XB in pair order (16 int32 each per half), or false
+// where the block gives NaN.
+struct BlockDigits {
+  __m512i xa[2], xb[2];
+  float u;
+};
+DG_AI bool block_digits(const float* x, BlockDigits* out) {
+  const __m512i order = _mm512_load_si512(kPairOrder), abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  const __m512i v0 = _mm512_castps_si512(_mm512_loadu_ps(x)), v1 = _mm512_castps_si512(_mm512_loadu_ps(x + 16));
+  const uint32_t max_bits =
+      _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_and_si512(v0, abs_mask), _mm512_and_si512(v1, abs_mask)));
+  int e = 0;
+  if (!digit_exponent(max_bits, &e)) return false;
+  out->u = digit_pow2(e - 26);
+  const __m512 scale = _mm512_set1_ps(digit_pow2(26 - e));
+  for (int h = 0; h < 2; ++h) {
+    const __m512 v = _mm512_permutexvar_ps(order, _mm512_castsi512_ps(h == 0 ? v0 : v1));
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, scale));  // round to nearest even (the default MXCSR)
+    out->xa[h] = _mm512_srai_epi32(q, 14);
+    out->xb[h] = _mm512_and_si512(q, _mm512_set1_epi32(0x3FFF));
+  }
+  return true;
+}
+
+// Rows [row0, row0 + rows) of x (rows <= 16) as one AMX group's blocks (DigitRows: groups). The
+// sum tiles' starting values come from the tile unit itself: the A tiles times a B tile of
+// bf16(-16) (exact: integers below 2^23 times a power of two), and Xb from them: (start_a +
+// start_b) / -16 is fma(sum XA, 2^14 u, (sum XB) u), the exact sum rounded once (+0 for 0).
+void build_group(const float* x, int64_t ldx, int64_t nb, int rows, uint8_t* g) {
+  alignas(64) uint16_t minus16[16 * 32];
+  for (uint16_t& v : minus16) v = 0xC180;  // bf16(-16)
+  load_tile_config(rows);
+  _tile_loadd(4, minus16, 64);
+  const __m512i hi7 = _mm512_set1_epi32(~127), lo7 = _mm512_set1_epi32(127);
+  const __m512i row_starts = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  for (int64_t b = 0; b < nb; ++b, g += kDigitGroupBlockBytes) {
+    __mmask16 nan_rows = 0;
+    for (int r = 0; r < rows; ++r) {
+      BlockDigits dg;
+      if (!block_digits(x + r * ldx + 32 * b, &dg)) {
+        nan_rows |= static_cast<__mmask16>(1u << r);
+        for (int s = 0; s < 4; ++s) _mm512_store_si512(g + 1024 * s + 64 * r, _mm512_setzero_si512());
+        continue;
+      }
+      const __m512 ua = _mm512_set1_ps(dg.u * 16384.0f), ub = _mm512_set1_ps(dg.u);
+      const __m512i digit[4][2] = {{_mm512_and_si512(dg.xa[0], hi7), _mm512_and_si512(dg.xa[1], hi7)},
+                                   {_mm512_and_si512(dg.xa[0], lo7), _mm512_and_si512(dg.xa[1], lo7)},
+                                   {_mm512_and_si512(dg.xb[0], hi7), _mm512_and_si512(dg.xb[1], hi7)},
+                                   {_mm512_and_si512(dg.xb[0], lo7), _mm512_and_si512(dg.xb[1], lo7)}};
+      for (int s = 0; s < 4; ++s) {
+        const __m512 scale = s < 2 ? ua : ub;
+        const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(digit[s][0]), scale);
+        const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(digit[s][1]), scale);
+        _mm512_store_si512(g + 1024 * s + 64 * r, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+      }
+    }
+    float* start = reinterpret_cast<float*>(g + 4096);
+    _tile_loadd(0, g, 64);
+    _tile_loadd(1, g + 1024, 64);
+    _tile_loadd(2, g + 2048, 64);
+    _tile_loadd(3, g + 3072, 64);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_dpbf16ps(5, 0, 4);
+    _tile_dpbf16ps(5, 1, 4);
+    _tile_dpbf16ps(6, 2, 4);
+    _tile_dpbf16ps(6, 3, 4);
+    _tile_stored(5, start, 64);
+    _tile_stored(6, start + 256, 64);
+    const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
+    const __m512 sa = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, row_starts, start, 4);
+    const __m512 sb = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, row_starts, start + 256, 4);
+    __m512 xs = _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(sa, sb), _mm512_set1_ps(-0.0625f)), _mm512_setzero_ps());
+    xs = _mm512_mask_mov_ps(xs, nan_rows, _mm512_set1_ps(__builtin_nanf("")));
+    _mm512_store_ps(reinterpret_cast<float*>(g + 6 * 1024), xs);
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+bool amx_ready() {
+  static const bool ready = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = d & (1u << 24), bf16 = d & (1u << 22), vnni = c & (1u << 11);
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+    const bool avx512_bf16 = a & (1u << 5);
+    if (!tile || !bf16 || !vnni || !avx512_bf16) return false;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & 0x60000u) != 0x60000u) return false;  // XTILECFG, XTILEDATA enabled by the OS
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+void build_digit_groups(const float* x, int64_t ldx, int64_t cols, int64_t amx_end, int64_t g0, int64_t g1, uint8_t* out) {
+  const int64_t nb = cols / 32;
+  for (int64_t g = g0; g < g1; ++g, out += nb * kDigitGroupBlockBytes)
+    build_group(x + 16 * g * ldx, ldx, nb, static_cast<int>(amx_end - 16 * g < 16 ? amx_end - 16 * g : 16), out);
+}
+
+void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols, const DigitBuffers& out,
+                           int64_t row_begin) {
+  const int64_t nb = cols / 32;
+  for (int64_t i = row_begin; i < m; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t at = i * nb + b;
+      BlockDigits dg;
+      if (!block_digits(x + i * ldx + 32 * b, &dg)) {
+        _mm512_storeu_si512(out.xa + at * 32, _mm512_setzero_si512());
+        _mm512_storeu_si512(out.xb + at * 32, _mm512_setzero_si512());
+        out.u[at] = 1.0f;
+        out.xs[at] = __builtin_nanf("");
+        out.sa[at] = out.sb[at] = 0.0f;
+        continue;
+      }
+      for (int h = 0; h < 2; ++h) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.xa + at * 32 + 16 * h), _mm512_cvtepi32_epi16(dg.xa[h]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.xb + at * 32 + 16 * h), _mm512_cvtepi32_epi16(dg.xb[h]));
+      }
+      const float sa = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(dg.xa[0], dg.xa[1])));
+      const float sb = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(dg.xb[0], dg.xb[1])));
+      out.u[at] = dg.u;
+      out.sa[at] = sa;
+      out.sb[at] = sb;
+      out.xs[at] = __builtin_fmaf(sa, dg.u * 16384.0f, sb * dg.u);
+    }
+  }
+}
+
+void digits_gemm_avx512(const DigitJob& job) {
+  if (job.type == QType::Q4_1) run_digits<QType::Q4_1>(job);
+  else if (job.type == QType::Q4_0) run_digits<QType::Q4_0>(job);
+}
+
+}  // namespace backfill
