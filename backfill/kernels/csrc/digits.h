@@ -59,7 +59,7 @@ struct DigitRows {
   const float* sb;    // [m][nb]
   int64_t m;
   int64_t nb;
-  const uint8_t* const* groups = nullptr;  // [(amx_end + 15) / 16]: each group's [nb] blocks
+  const uint8_t* const* groups = nullptr;  // [(amx_end + 15) / 16][nb]: each group's blocks
   int64_t amx_end = 0;
 };
 
@@ -110,9 +110,10 @@ void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, const 
 // The same bits for rows [row_begin, m) (those before it left as they are).
 void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols, const DigitBuffers& out,
                            int64_t row_begin);
-// Groups [g0, g1) of rows [0, amx_end) (16 rows each, the last one fewer) as AMX group blocks
-// (DigitRows), one after another into out (amx_ready() only).
-void build_digit_groups(const float* x, int64_t ldx, int64_t cols, int64_t amx_end, int64_t g0, int64_t g1, uint8_t* out);
+// Blocks [b0, b1) of every group of rows [0, amx_end) (16 rows each, the last one fewer) as AMX
+// group blocks (DigitRows), block b of group g at out + ((b - b0) groups + g) kDigitGroupBlockBytes
+// (amx_ready() only).
+void build_digit_blocks(const float* x, int64_t ldx, int64_t amx_end, int64_t b0, int64_t b1, uint8_t* out);
 
 // One job of the digit-form GEMM: y[i, 16 tile ..] for tiles [tile_begin, tile_end), all rows of
 // x; the weights packed as for the exact kernels (digit_type types only).

@@ -101,7 +101,7 @@ int64_t amx_min_rows() {
     if (!amx_ready()) return int64_t{0};
     const char* env = std::getenv("BACKFILL_AMX_ROWS");
     if (env != nullptr && *env != '\0') return static_cast<int64_t>(std::atoi(env));
-    return int64_t{8};
+    return int64_t{10};
   }();
   return rows;
 }
@@ -116,7 +116,7 @@ DigitRows prepare_x_digits(const float* x, int64_t m, int64_t ldx, int64_t cols,
   thread_local std::vector<const uint8_t*> group_at;
   const bool fast = digit_kernels_fast();
   const int64_t nb = cols / 32, amx_end = fast ? digit_amx_end(m, amx_min_rows()) : 0;
-  const int64_t groups = (amx_end + 15) / 16, group_bytes = nb * kDigitGroupBlockBytes;
+  const int64_t groups = (amx_end + 15) / 16;
   const int64_t rows_bytes = digit_buffer_bytes(m, nb);
   if (static_cast<int64_t>(rows_buf.size()) < rows_bytes) rows_buf.resize(static_cast<size_t>(rows_bytes));
   const DigitBuffers out = digit_buffers(rows_buf.data(), m, nb);
@@ -124,37 +124,44 @@ DigitRows prepare_x_digits(const float* x, int64_t m, int64_t ldx, int64_t cols,
   else prepare_digits(x, m, ldx, cols, out);
   DigitRows rows{out.xa, out.xb, out.u, out.xs, out.sa, out.sb, m, nb};
   if (groups == 0) return rows;
-  group_at.resize(static_cast<size_t>(groups));
+  group_at.resize(static_cast<size_t>(groups * nb));
   const auto own = [&](std::vector<uint8_t>& buf, int64_t count) {
-    const int64_t need = count * group_bytes + 64;
+    const int64_t need = count * kDigitGroupBlockBytes + 64;
     if (static_cast<int64_t>(buf.size()) < need) buf.resize(static_cast<size_t>(need));
     return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
   };
+  // (block b of group g at base + ((b - b0) groups + g) kDigitGroupBlockBytes, b0 the first block
+  // of the part that holds it)
+  const auto point = [&](const uint8_t* base, int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t g = 0; g < groups; ++g)
+        group_at[static_cast<size_t>(g * nb + b)] = base + ((b - b0) * groups + g) * kDigitGroupBlockBytes;
+  };
   const bool shared = team != nullptr && team->size > 1 && team->barrier != nullptr && team->size <= TeamBarrier::kMaxParts;
   if (!shared) {
-    uint8_t* base = own(group_buf[0], groups);
+    uint8_t* base = own(group_buf[0], groups * nb);
     if (team == nullptr)
-      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-        build_digit_groups(x, ldx, cols, amx_end, g0, g1, base + g0 * group_bytes);
+      at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+        build_digit_blocks(x, ldx, amx_end, b0, b1, base + b0 * groups * kDigitGroupBlockBytes);
       });
     else
-      build_digit_groups(x, ldx, cols, amx_end, 0, groups, base);
-    for (int64_t g = 0; g < groups; ++g) group_at[static_cast<size_t>(g)] = base + g * group_bytes;
+      build_digit_blocks(x, ldx, amx_end, 0, nb, base);
+    point(base, 0, nb);
   } else {
+    // each thread its share of the blocks (of every group), in its own memory
     TeamBarrier& shared_at = *team->barrier;
     const int64_t parity = shared_at.calls[team->index]++ % 2;
-    const auto [g0, g1] = team->share(groups, 1);
-    uint8_t* base = own(group_buf[parity], g1 > g0 ? g1 - g0 : 0);
-    build_digit_groups(x, ldx, cols, amx_end, g0, g1, base);
+    const auto [b0, b1] = team->share(nb, 1);
+    uint8_t* base = own(group_buf[parity], (b1 > b0 ? b1 - b0 : 0) * groups);
+    build_digit_blocks(x, ldx, amx_end, b0, b1, base);
     shared_at.parts[parity][team->index] = base;
     const uint8_t *ahead = nullptr, *ahead_end = nullptr;
     packed_gemm_share(w, m, *team, &ahead, &ahead_end);
     team->sync(ahead, ahead_end);
-    // group g's owner: the thread whose share holds it (Team::share's cut)
-    const int64_t chunks = std::min(team->size, groups), chunk = (groups + chunks - 1) / chunks;
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t owner = groups <= 1 ? 0 : g / chunk;
-      group_at[static_cast<size_t>(g)] = shared_at.parts[parity][owner] + (g - owner * chunk) * group_bytes;
+    for (int64_t t = 0; t < team->size; ++t) {
+      const Team other{t, team->size, nullptr};
+      const auto [o0, o1] = other.share(nb, 1);
+      point(shared_at.parts[parity][t], o0, o1);
     }
   }
   rows.groups = group_at.data();

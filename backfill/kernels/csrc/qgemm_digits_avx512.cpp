@@ -68,25 +68,27 @@ __attribute__((noinline)) void digit_block(const DigitJob& job, int64_t row0, in
   for (int64_t b = 0; b < nb; ++b) {
     if (lead) prefetch_chunk<NT>(job, tile0, b + kFusedPrefetchChunks, nb, tb, cb);
     side.burst();
-    const uint8_t* qs[NT];
-    VF d[NT], m[NT];
-    DG_UNROLL for (int t = 0; t < NT; ++t) qs[t] = digit_weight_block<T>(tiles[t], b, &d[t], &m[t]);
+    const uint8_t* blk[NT];
+    DG_UNROLL for (int t = 0; t < NT; ++t) blk[t] = tiles[t] + b * kTileRows * block_bytes(T);
+    constexpr int64_t kQs = T == QType::Q4_1 ? tile_off::kQ4_1Qs : tile_off::kQ4_0Qs;
     VI ca[MR][NT], cbs[MR][NT];
     DG_UNROLL for (int i = 0; i < MR; ++i) DG_UNROLL for (int t = 0; t < NT; ++t) {
       ca[i][t] = VI{_mm512_setzero_si512()};
       cbs[i][t] = VI{_mm512_setzero_si512()};
     }
+    const int16_t* xa = job.x.xa + (row0 * nb + b) * 32;
+    const int16_t* xb = job.x.xb + (row0 * nb + b) * 32;
     DG_UNROLL for (int w = 0; w < 4; ++w) {
       __m512i v[NT];
-      DG_UNROLL for (int t = 0; t < NT; ++t) v[t] = _mm512_loadu_si512(qs[t] + 64 * w);
+      DG_UNROLL for (int t = 0; t < NT; ++t) v[t] = _mm512_loadu_si512(blk[t] + kQs + 64 * w);
       DG_UNROLL for (int c = 0; c < 4; ++c) {
         __m512i code[NT];
         DG_UNROLL for (int t = 0; t < NT; ++t) code[t] = _mm512_and_si512(_mm512_srli_epi32(v[t], 4 * c), mask);
         DG_UNROLL for (int i = 0; i < MR; ++i) {
-          const int64_t at = ((row0 + i) * nb + b) * 32 + 2 * (4 * w + c);
+          const int64_t at = i * nb * 32 + 2 * (4 * w + c);
           int32_t pa, pb;
-          __builtin_memcpy(&pa, job.x.xa + at, 4);
-          __builtin_memcpy(&pb, job.x.xb + at, 4);
+          __builtin_memcpy(&pa, xa + at, 4);
+          __builtin_memcpy(&pb, xb + at, 4);
           const __m512i ba = _mm512_set1_epi32(pa), bb = _mm512_set1_epi32(pb);
           DG_UNROLL for (int t = 0; t < NT; ++t) {
             ca[i][t].v = _mm512_dpwssd_epi32(ca[i][t].v, code[t], ba);
@@ -95,6 +97,8 @@ __attribute__((noinline)) void digit_block(const DigitJob& job, int64_t row0, in
         }
       }
     }
+    VF d[NT], m[NT];
+    DG_UNROLL for (int t = 0; t < NT; ++t) digit_weight_block<T>(blk[t], 0, &d[t], &m[t]);
     digit_fold<MR, NT>(job.x, row0, b, ca, cbs, d, m, y);
   }
   store_acc<MR, NT>(y, job, row0, tile0);
@@ -106,8 +110,12 @@ struct Int {
 };
 
 constexpr int kDigitNT1 = 4;  // one row: 4 tiles
-constexpr int kDigitNT = 2;   // more rows: 2 tiles x up to 4 rows
-constexpr int kDigitMR = 4;
+#ifndef DIGIT_NT
+#define DIGIT_NT 2
+#define DIGIT_MR 4
+#endif
+constexpr int kDigitNT = DIGIT_NT;  // more rows: 2 tiles x up to 4 rows
+constexpr int kDigitMR = DIGIT_MR;
 
 template <QType T, int NT, int MR = 1>
 void digit_rows(const DigitJob& job, int mr, int64_t row0, int64_t tile0, bool lead, SideCursor& side) {
@@ -226,7 +234,7 @@ void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
         load_tile_config(rows);
         cfg_rows = rows;
       }
-      const uint8_t* grp = job.x.groups[r0 / 16 + g];
+      const uint8_t* const* grp = job.x.groups + (r0 / 16 + g) * nb;  // the group's blocks
       for (int i = 0; i < 16 * kAmxChunk * 16; i += 16) _mm512_store_ps(ybuf + i, _mm512_setzero_ps());
       const int64_t ystride = ct * 16;
       // tile block j = b ct + tt: tile t0 + tt, block b
@@ -245,7 +253,7 @@ void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
         const float* cb = ca + 256;
         VF d, m;
         digit_weight_block<T>(block_at(j), 0, &d, &m);
-        const float* xs = reinterpret_cast<const float*>(grp + (j / ct) * kDigitGroupBlockBytes + 6 * 1024);
+        const float* xs = reinterpret_cast<const float*>(grp[j / ct] + 6 * 1024);
         float* yb = ybuf + (j % ct) * 16;
         DG_UNROLL for (int i = 0; i < 16; ++i) {
           const __m512 s = _mm512_add_ps(_mm512_load_ps(ca + 16 * i), _mm512_load_ps(cb + 16 * i));
@@ -258,7 +266,7 @@ void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
       for (int64_t j = 0; j < kConvAhead && j < nj; ++j) conv(j);
       int64_t j = 0;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* a = grp + b * kDigitGroupBlockBytes;
+        const uint8_t* a = grp[b];
         _tile_loadd(0, a, 64);
         _tile_loadd(1, a + 1024, 64);
         _tile_loadd(2, a + 2048, 64);
@@ -340,14 +348,15 @@ DG_AI bool block_digits(const float* x, BlockDigits* out) {
 // sum tiles' starting values come from the tile unit itself: the A tiles times a B tile of
 // bf16(-16) (exact: integers below 2^23 times a power of two), and Xb from them: (start_a +
 // start_b) / -16 is fma(sum XA, 2^14 u, (sum XB) u), the exact sum rounded once (+0 for 0).
-void build_group(const float* x, int64_t ldx, int64_t nb, int rows, uint8_t* g) {
+void build_group(const float* x, int64_t ldx, int rows, int64_t b0, int64_t b1, uint8_t* out, int64_t stride) {
   alignas(64) uint16_t minus16[16 * 32];
   for (uint16_t& v : minus16) v = 0xC180;  // bf16(-16)
   load_tile_config(rows);
   _tile_loadd(4, minus16, 64);
   const __m512i hi7 = _mm512_set1_epi32(~127), lo7 = _mm512_set1_epi32(127);
   const __m512i row_starts = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
-  for (int64_t b = 0; b < nb; ++b, g += kDigitGroupBlockBytes) {
+  for (int64_t b = b0; b < b1; ++b) {
+    uint8_t* g = out + (b - b0) * stride;
     __mmask16 nan_rows = 0;
     for (int r = 0; r < rows; ++r) {
       BlockDigits dg;
@@ -411,10 +420,11 @@ bool amx_ready() {
   return ready;
 }
 
-void build_digit_groups(const float* x, int64_t ldx, int64_t cols, int64_t amx_end, int64_t g0, int64_t g1, uint8_t* out) {
-  const int64_t nb = cols / 32;
-  for (int64_t g = g0; g < g1; ++g, out += nb * kDigitGroupBlockBytes)
-    build_group(x + 16 * g * ldx, ldx, nb, static_cast<int>(amx_end - 16 * g < 16 ? amx_end - 16 * g : 16), out);
+void build_digit_blocks(const float* x, int64_t ldx, int64_t amx_end, int64_t b0, int64_t b1, uint8_t* out) {
+  const int64_t groups = (amx_end + 15) / 16;
+  for (int64_t g = 0; g < groups; ++g)
+    build_group(x + 16 * g * ldx, ldx, static_cast<int>(amx_end - 16 * g < 16 ? amx_end - 16 * g : 16), b0, b1,
+                out + g * kDigitGroupBlockBytes, groups * kDigitGroupBlockBytes);
 }
 
 void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols, const DigitBuffers& out,
