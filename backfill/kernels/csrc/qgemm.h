@@ -66,8 +66,11 @@ void set_subnormal_codes(bool on);
 // differ by about one fp32 rounding a block. Not for use mid-GEMM.
 bool digit_form();
 void set_digit_form(bool on);
-// Whether the digit form runs on the AMX tile unit in this process (from how many rows a group).
+// Whether the digit form runs on the AMX tile unit in this process.
 bool amx_active();
+// The fewest rows packed_gemm runs w's products with on the AMX tile unit (a group of up to 16),
+// or 0 where it never does (another type or form, int8 activations, no AMX).
+int64_t amx_group_rows(const PackedMatrix& w);
 
 // Whether this CPU runs the int8-activation kernels with VNNI ("avx512vnni") or without
 // ("avx2", "scalar"): the numbers are the same.

@@ -159,7 +159,10 @@ int64_t vnni_bursts(int64_t rows, int64_t tiles, int64_t nb) {
 // a ring, 4 TDPBF16PS into two sum tiles, stored and folded into y kFoldLag tile blocks later.
 // Tiles: 0-3 A, 4 and 7 B (alternating), 5 and 6 the sums.
 
-constexpr int kAmxChunk = 8;
+#ifndef AMX_CHUNK
+#define AMX_CHUNK 16
+#endif
+constexpr int kAmxChunk = AMX_CHUNK;
 constexpr int kConvAhead = 4;
 constexpr int kFoldLag = 4;
 constexpr int kRing = 8;  // > kConvAhead + kFoldLag: a slot is reused after both are done with it
@@ -224,8 +227,12 @@ void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
   float* ybuf = reinterpret_cast<float*>(ring + kRing * 512);        // [16][kAmxChunk][16]
   int cfg_rows = -1;
   const uint8_t* const w_end = job.w + job.tile_end * tb;
-  for (int64_t t0 = job.tile_begin; t0 < job.tile_end; t0 += kAmxChunk) {
-    const int ct = static_cast<int>(job.tile_end - t0 < kAmxChunk ? job.tile_end - t0 : kAmxChunk);
+  // the job's tiles in equal chunks of at most kAmxChunk (a short last chunk reloads the A tiles
+  // per block for few tiles)
+  const int64_t num_chunks = (job.tile_end - job.tile_begin + kAmxChunk - 1) / kAmxChunk;
+  for (int64_t c = 0, t0 = job.tile_begin; c < num_chunks; ++c) {
+    const int ct = static_cast<int>((job.tile_end - t0) / (num_chunks - c));
+    const int64_t t_next = t0 + ct;
     const int64_t nj = nb * ct;
     const uint8_t* chunk = job.w + t0 * tb;
     for (int64_t g = 0; g < groups; ++g) {
@@ -303,6 +310,7 @@ void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
           store_acc<1, 1>(acc, job, r0 + 16 * g + i, t0 + tt);
         }
     }
+    t0 = t_next;
   }
   _tile_release();
 }
