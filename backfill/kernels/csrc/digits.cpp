@@ -33,7 +33,6 @@ void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, const 
         std::fill(xl, xl + 32, int16_t{0});
         out.u[at] = 1.0f;
         out.xs[at] = NAN;
-        out.sa[at] = out.sb[at] = 0.0f;
         continue;
       }
       const float scale = digit_pow2(26 - e), u = digit_pow2(e - 26);
@@ -46,8 +45,6 @@ void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, const 
         sb += v & 0x3FFF;
       }
       out.u[at] = u;
-      out.sa[at] = static_cast<float>(sa);
-      out.sb[at] = static_cast<float>(sb);
       out.xs[at] = std::fma(static_cast<float>(sa), u * 16384.0f, static_cast<float>(sb) * u);
     }
   }
@@ -65,7 +62,7 @@ void digits_gemm_scalar(const DigitJob& job) {
     QMatrix qm = one_row;
     qm.data = raw.data();
     factored_row_ref(qm, 0, codes.data(), dw.data(), mw.data());
-    for (int64_t i = 0; i < job.x.m; ++i) {
+    for (int64_t i = 0; i < job.x.m; ++i) {  // (first_row 0: every row in the int16 form)
       float acc = 0.0f;
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t at = i * nb + b;

@@ -42,8 +42,8 @@ constexpr int kDigitMaxExp = 110;
 // kernels' 16-bit pairs both take x in this order.
 constexpr int digit_pair_column(int j) { return 8 * (j / 8) + (j / 2) % 4 + 4 * (j % 2); }
 
-// x prepared. Rows [amx_end, m), per row i and block b (index i nb + b): XA and XB in pair order,
-// the grid unit u, Xb, and float(sum XA), float(sum XB) (exact: below 2^19). Rows [0, amx_end) in
+// x prepared. Rows [first_row, m), per row i and block b (index (i - first_row) nb + b): XA and XB
+// in pair order, the grid unit u and Xb. Rows [0, amx_end) (amx_end = first_row where set) in
 // groups of 16 for the AMX kernel instead (the last one fewer), per group and block
 // kDigitGroupBlockBytes: the 4 A tiles (1 KB each: 16 rows x 32 bf16 in pair order, XA's high
 // and low 7 bits times 2^14 u, XB's times u), the two sum tiles' starting values (1 KB each:
@@ -51,14 +51,13 @@ constexpr int digit_pair_column(int j) { return 8 * (j / 8) + (j / 2) % 4 + 4 * 
 // group's rows).
 constexpr int64_t kDigitGroupBlockBytes = 6 * 1024 + 64;
 struct DigitRows {
-  const int16_t* xa;  // [m][nb][32]
-  const int16_t* xb;  // [m][nb][32]
-  const float* u;     // [m][nb]
-  const float* xs;    // [m][nb] Xb
-  const float* sa;    // [m][nb]
-  const float* sb;    // [m][nb]
+  const int16_t* xa;  // [m - first_row][nb][32]
+  const int16_t* xb;  // [m - first_row][nb][32]
+  const float* u;     // [m - first_row][nb]
+  const float* xs;    // [m - first_row][nb] Xb
   int64_t m;
   int64_t nb;
+  int64_t first_row = 0;
   const uint8_t* const* groups = nullptr;  // [(amx_end + 15) / 16][nb]: each group's blocks
   int64_t amx_end = 0;
 };
@@ -72,21 +71,19 @@ inline int64_t digit_amx_end(int64_t m, int64_t min_rows) {
 }
 
 // Writable buffers for m rows of nb blocks (one allocation, carved up by digit_buffers).
-inline int64_t digit_buffer_bytes(int64_t m, int64_t nb) { return m * nb * (2 * 64 + 4 * 4) + 64; }
+inline int64_t digit_buffer_bytes(int64_t m, int64_t nb) { return m * nb * (2 * 64 + 2 * 4) + 64; }
 struct DigitBuffers {
   int16_t* xa;
   int16_t* xb;
   float* u;
   float* xs;
-  float* sa;
-  float* sb;
 };
 inline DigitBuffers digit_buffers(void* mem, int64_t m, int64_t nb) {
   const uintptr_t p = (reinterpret_cast<uintptr_t>(mem) + 63) & ~uintptr_t{63};
   int16_t* xa = reinterpret_cast<int16_t*>(p);
   int16_t* xb = xa + m * nb * 32;
   float* u = reinterpret_cast<float*>(xb + m * nb * 32);
-  return DigitBuffers{xa, xb, u, u + m * nb, u + 2 * m * nb, u + 3 * m * nb};
+  return DigitBuffers{xa, xb, u, u + m * nb};
 }
 
 // The block's grid: E from the largest |x|'s bits (an integer max of |x|'s bits: NaN above inf
@@ -105,9 +102,11 @@ inline float digit_pow2(int n) {
   return f;
 }
 
-// Rows x[0 .. m) (row stride ldx, cols % 32 == 0) in the digit form, into `out`'s m x nb blocks.
+// Rows x[0 .. m) (row stride ldx, cols % 32 == 0) in the digit form, into `out`'s m x nb blocks
+// (first_row 0).
 void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, const DigitBuffers& out);         // digits.cpp
-// The same bits for rows [row_begin, m) (those before it left as they are).
+// The same bits for rows [row_begin, m), into `out`'s (m - row_begin) x nb blocks (first_row
+// row_begin).
 void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols, const DigitBuffers& out,
                            int64_t row_begin);
 // Blocks [b0, b1) of every group of rows [0, amx_end) (16 rows each, the last one fewer) as AMX

@@ -117,12 +117,13 @@ DigitRows prepare_x_digits(const float* x, int64_t m, int64_t ldx, int64_t cols,
   const bool fast = digit_kernels_fast();
   const int64_t nb = cols / 32, amx_end = fast ? digit_amx_end(m, amx_min_rows()) : 0;
   const int64_t groups = (amx_end + 15) / 16;
-  const int64_t rows_bytes = digit_buffer_bytes(m, nb);
+  const int64_t rows_bytes = digit_buffer_bytes(m - amx_end, nb);
   if (static_cast<int64_t>(rows_buf.size()) < rows_bytes) rows_buf.resize(static_cast<size_t>(rows_bytes));
-  const DigitBuffers out = digit_buffers(rows_buf.data(), m, nb);
+  const DigitBuffers out = digit_buffers(rows_buf.data(), m - amx_end, nb);
   if (fast) prepare_digits_avx512(x, m, ldx, cols, out, amx_end);
   else prepare_digits(x, m, ldx, cols, out);
-  DigitRows rows{out.xa, out.xb, out.u, out.xs, out.sa, out.sb, m, nb};
+  DigitRows rows{out.xa, out.xb, out.u, out.xs, m, nb};
+  rows.first_row = amx_end;
   if (groups == 0) return rows;
   group_at.resize(static_cast<size_t>(groups * nb));
   const auto own = [&](std::vector<uint8_t>& buf, int64_t count) {
