@@ -256,6 +256,66 @@ def test_row_shards_and_teams_change_nothing(num_threads: int) -> None:
         assert auto_shards[3] > 1 and auto_shards[4] == auto_shards[5] == 1, auto_shards
 
 
+def q4_1_decoder(model: LlamaForCausalLM) -> CpuDecoder:
+    """The model's linears as Q4_1 blocks (the default model's type)."""
+    config = model.config
+    state: dict[str, LinearWeights] = {}
+    for i in range(config.num_layers):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            pname = f"layers.{i}.{name}.weight"
+            weight = dict(model.named_parameters())[pname]
+            packed, _ = quantize(weight.detach().contiguous(), 3)
+            state[pname] = QuantWeight([packed], weight.shape[1])
+    for pname, p in model.named_parameters():
+        state.setdefault(pname, p.detach().clone())
+    return CpuDecoder(config, state)
+
+
+@pytest.mark.parametrize("num_threads", [2, 3])
+def test_digit_form_teams_shards_and_forks_agree(num_threads: int) -> None:
+    """Q4_1 linears in the digit form (on by default where the CPU has AMX; forced on here): a team
+    prepares x's AMX groups once, each thread its share of the blocks, and every thread reads the
+    others' (qgemm.cpp); row shards and forked operations prepare their own. Every way gives the
+    same logits and caches, at steps of one to three AMX groups (17, 40, 20 decodes: shards of 10)
+    and below one; and a sequence's logits do not depend on its companions."""
+    ext = kernels.extension()
+    before = ext.digit_form()
+    ext.set_digit_form(True)
+    model = tiny_model("gqa2_hd16", num_layers=2, intermediate_size=96, hidden_size=128)
+    sharded, whole, forked, auto = (q4_1_decoder(model) for _ in range(4))
+    sharded.row_shards = whole.row_shards = forked.row_shards = 0
+    sharded.row_shards = 1
+    forked.team_steps = False
+    decodes = [(f"d{i}", 1) for i in range(20)]
+    schedule = [[("a", 7), ("b", 10)], [("a", 1), ("b", 1), ("c", 30), ("d", 8)], [(r, 5) for r, _ in decodes],
+                decodes, [("a", 1), ("h", 44), ("b", 1)], [("a", 1)]]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(num_threads)
+        drivers = [PagedDriver(d, num_blocks=128, block_size=8, seed=1) for d in (sharded, whole, forked, auto)]
+        batches = token_batches(model.config.vocab_size, seed=11, schedule=schedule)
+        among_others = []
+        for i, batch in enumerate(batches):
+            got, expected, from_forked, from_auto = (driver.step(batch) for driver in drivers)
+            among_others.append(expected)
+            for logits in (got, from_forked, from_auto):
+                assert torch.equal(logits, expected), f"step {i}: logits differ"
+            for other in (drivers[0], drivers[2], drivers[3]):
+                for layer, ((k1, v1), (k2, v2)) in enumerate(zip(other.kv_caches, drivers[1].kv_caches)):
+                    assert torch.equal(k1, k2) and torch.equal(v1, v2), f"step {i} layer {layer}: the caches differ"
+        alone = PagedDriver(q4_1_decoder(model), num_blocks=32, block_size=8, seed=2)
+        checked = 0
+        for batch, logits in zip(batches, among_others):  # sequence "a" alone: the same logits
+            names = [r for r, _ in batch]
+            if "a" in names:
+                assert torch.equal(alone.step([batch[names.index("a")]])[0], logits[names.index("a")])
+                checked += 1
+        assert checked == 4
+    finally:
+        torch.set_num_threads(threads)
+        ext.set_digit_form(before)
+
+
 def test_a_bad_block_in_a_shard_raises_and_the_next_step_runs() -> None:
     """An out-of-range block id in a sharded step is refused before any shard runs, naming the
     step's sequence (not its index within a shard), and the decoder serves the next step."""

@@ -107,12 +107,13 @@ int64_t amx_min_rows() {
 }
 
 // x's digit form: the rows below the AMX groups (if any) prepared by every thread for itself, the
-// AMX groups once for all: with a team of several threads, each prepares its share of the groups
-// and syncs (TeamBarrier::parts), so a team thread returns from here only once all have come;
-// without one, over torch's pool. Kept between calls (per thread).
+// AMX groups once for all: with a team of several threads, each prepares its share of the blocks
+// (of every group) and syncs (TeamBarrier::parts), so a team thread returns from here only once
+// all have come; without one, over torch's pool. Kept between calls (per thread; a team's two
+// alternating parts apart from the buffer of calls outside a team).
 DigitRows prepare_x_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, const Team* team,
                            const PackedMatrix& w) {
-  thread_local std::vector<uint8_t> rows_buf, group_buf[2];
+  thread_local std::vector<uint8_t> rows_buf, group_buf[3];
   thread_local std::vector<const uint8_t*> group_at;
   const bool fast = digit_kernels_fast();
   const int64_t nb = cols / 32, amx_end = fast ? digit_amx_end(m, amx_min_rows()) : 0;
@@ -140,7 +141,7 @@ DigitRows prepare_x_digits(const float* x, int64_t m, int64_t ldx, int64_t cols,
   };
   const bool shared = team != nullptr && team->size > 1 && team->barrier != nullptr && team->size <= TeamBarrier::kMaxParts;
   if (!shared) {
-    uint8_t* base = own(group_buf[0], groups * nb);
+    uint8_t* base = own(group_buf[2], groups * nb);
     if (team == nullptr)
       at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
         build_digit_blocks(x, ldx, amx_end, b0, b1, base + b0 * groups * kDigitGroupBlockBytes);
