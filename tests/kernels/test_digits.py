@@ -1,4 +1,4 @@
-"""The digit form of the Q4_0 / Q4_1 products (backfill/kernels/csrc/digits.h): x on a 27-bit
+"""The digit form of the Q4_0 / Q4_1 / Q4_K products (backfill/kernels/csrc/digits.h): x on a 27-bit
 fixed-point grid per 32-column block, exact integer sums, one rounding a block. Every kernel that
 computes it (the portable one, AVX-512 VNNI, the AMX tile unit where the CPU has one) gives the
 definition's bits, at every row count and thread count, so a process may switch kernels by row
@@ -24,9 +24,10 @@ from test_qgemm import assert_fp32_accurate, random_raw, reference  # noqa: E402
 ext = extension()
 pytestmark = pytest.mark.skipif(ext is None, reason="CPU kernels extension unavailable (no compiler, or disabled)")
 
-TYPES = {"Q4_0": 2, "Q4_1": 3}
-# (a last tile of 5 rows; K of 13 blocks)
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q4_K": 12}
+# (a last tile of 5 rows; K of 13 blocks, Q4_K's 24 sub-blocks)
 N, K = 101, 416
+SHAPES = {"Q4_0": (N, K), "Q4_1": (N, K), "Q4_K": (N, 768)}
 MS = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 23, 24, 31, 32, 33, 40, 64, 65, 100, 350]
 ISAS = ["scalar", "avx2", "avx512"]
 
@@ -88,15 +89,15 @@ def digit_definition(raw: torch.Tensor, qtype: int, x: torch.Tensor) -> np.ndarr
 
 def case(name: str, seed: int = 0) -> tuple[int, torch.Tensor, torch.Tensor]:
     qtype = TYPES[name]
-    raw = random_raw(qtype, N, K, seed)
-    return qtype, raw, ext.repack(raw, qtype, K)
+    raw = random_raw(qtype, N, SHAPES[name][1], seed)
+    return qtype, raw, ext.repack(raw, qtype, SHAPES[name][1])
 
 
-def awkward_x(rows: int, seed: int) -> torch.Tensor:
+def awkward_x(rows: int, seed: int, k: int = K) -> torch.Tensor:
     """Rows of every scale: normal, tiny (below 2^-99: the grid's floor), subnormal, zero blocks,
     huge (2^100), and mixed magnitudes within a block (values far below the grid's unit)."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, K, generator=g)
+    x = torch.randn(rows, k, generator=g)
     x[1::7] *= 1e-35
     x[2::7] *= 2.0**100
     x[3::7, :32] = 0.0
@@ -106,7 +107,7 @@ def awkward_x(rows: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])  # (Q4_K: against the portable kernel, below)
 def test_digit_form_is_its_definition(name: str, isa: str, digit_form: None) -> None:
     use_isa(isa)
     qtype, raw, packed = case(name, seed=3)
@@ -121,37 +122,39 @@ def test_digit_form_is_its_definition(name: str, isa: str, digit_form: None) -> 
 def test_digit_form_accuracy_and_batch_invariance(name: str, isa: str, digit_form: None) -> None:
     use_isa(isa)
     qtype, raw, packed = case(name)
-    x = torch.randn(max(MS), K, generator=torch.Generator().manual_seed(1))
-    full = ext.qlinear(x, packed, qtype, N, K)
+    k = SHAPES[name][1]
+    x = torch.randn(max(MS), k, generator=torch.Generator().manual_seed(1))
+    full = ext.qlinear(x, packed, qtype, N, k)
     assert_fp32_accurate(full, x, reference(raw, qtype))
     for m in MS:
-        assert torch.equal(ext.qlinear(x[:m], packed, qtype, N, K), full[:m]), f"M={m}"
+        assert torch.equal(ext.qlinear(x[:m], packed, qtype, N, k), full[:m]), f"M={m}"
     for i in [0, 16, 17, max(MS) - 1]:  # a row alone, and among 20 others (an AMX group and 4 rows)
-        assert torch.equal(ext.qlinear(x[i : i + 1], packed, qtype, N, K), full[i : i + 1])
-        others = torch.randn(21, K)
+        assert torch.equal(ext.qlinear(x[i : i + 1], packed, qtype, N, k), full[i : i + 1])
+        others = torch.randn(21, k)
         others[18] = x[i]
-        assert torch.equal(ext.qlinear(others, packed, qtype, N, K)[18], full[i])
+        assert torch.equal(ext.qlinear(others, packed, qtype, N, k)[18], full[i])
 
 
 @pytest.mark.parametrize("name", TYPES)
 def test_digit_form_isas_threads_bias_and_accumulate_agree(name: str, digit_form: None) -> None:
     qtype, _, packed = case(name, seed=2)
-    x = awkward_x(37, seed=5)
+    k = SHAPES[name][1]
+    x = awkward_x(37, seed=5, k=k)
     bias = torch.randn(N)
     results = {}
     for isa in ISAS:
         if not ext.set_isa(isa):
             continue
-        ys = [ext.qlinear(x[:m], packed, qtype, N, K, bias=bias) for m in (1, 5, 16, 20, 37)]
+        ys = [ext.qlinear(x[:m], packed, qtype, N, k, bias=bias) for m in (1, 5, 16, 20, 37)]
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            ys.append(ext.qlinear(x, packed, qtype, N, K, bias=bias))
+            ys.append(ext.qlinear(x, packed, qtype, N, k, bias=bias))
         finally:
             torch.set_num_threads(threads)
         out = torch.randn(37, N, generator=torch.Generator().manual_seed(6))
-        want = out + ext.qlinear(x, packed, qtype, N, K, bias=bias)
-        ext.qlinear(x, packed, qtype, N, K, bias=bias, out=out, accumulate=True)
+        want = out + ext.qlinear(x, packed, qtype, N, k, bias=bias)
+        ext.qlinear(x, packed, qtype, N, k, bias=bias, out=out, accumulate=True)
         ys.append(out)
         ys.append(want)
         results[isa] = ys
@@ -211,7 +214,7 @@ def test_amx_rows_setting_never_changes_the_numbers() -> None:
 
 
 def test_digit_form_is_on_by_default_exactly_where_the_tile_unit_runs() -> None:
-    """With no setting, a process computes Q4_0 / Q4_1 in the digit form on the tile unit where the
+    """With no setting, a process computes Q4_0 / Q4_1 / Q4_K in the digit form on the tile unit where the
     CPU and OS run AMX (as a process that asks for the form finds), and in the fp32 chains elsewhere."""
     code = "from backfill.kernels import extension; ext = extension(); print(ext.digit_form(), ext.amx())"
     env = {k: v for k, v in os.environ.items() if k not in ("BACKFILL_DIGITS", "BACKFILL_AMX_ROWS", "BACKFILL_ISA")}

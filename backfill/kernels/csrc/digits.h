@@ -1,7 +1,8 @@
-// The digit form of the 4-bit types' products (qgemm.h: digit_form): exact integer sums that the
-// AMX tile unit, AVX-512 VNNI and plain C++ all compute to the same bits at any row count, so a
-// process can run AMX from 16 rows and vector integer dots below them without breaking batch
-// invariance. Measured first in scripts/amx_digits.cpp (BENCHMARKS.md, sessions 61-63).
+// The digit form of the 4-bit types' products (qgemm.h: digit_form; Q4_0, Q4_1, Q4_K): exact
+// integer sums that the AMX tile unit, AVX-512 VNNI and plain C++ all compute to the same bits at
+// any row count, so a process can run AMX from a group of 10-16 rows and vector integer dots below
+// them without breaking batch invariance. Measured first in scripts/amx_digits.cpp (BENCHMARKS.md,
+// sessions 61-63).
 // No torch or STL headers (the ISA translation units include this file, see isa.h).
 //
 // x, per row and 32-column block, on a fixed-point grid: E the exponent of the block's largest
@@ -30,8 +31,10 @@
 
 namespace backfill {
 
-// The types the digit form computes: Q4_0 and Q4_1 (nibble words, 32-column blocks).
-inline bool digit_type(QType t) { return t == QType::Q4_0 || t == QType::Q4_1; }
+// The types the digit form computes: Q4_0, Q4_1 and Q4_K (nibble words, 32-column blocks or
+// sub-blocks; Q4_K's d and m those of a sub-block, its 6-bit scale and min applied, as
+// factored_row_ref gives them).
+inline bool digit_type(QType t) { return t == QType::Q4_0 || t == QType::Q4_1 || t == QType::Q4_K; }
 
 constexpr int kDigitMinExp = -99;
 constexpr int kDigitMaxExp = 110;

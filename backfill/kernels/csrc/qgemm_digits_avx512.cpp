@@ -22,17 +22,21 @@ namespace {
 // The pair order (digit_pair_column) within each 16 columns: element j takes column kPairOrder[j].
 alignas(64) constexpr int32_t kPairOrder[16] = {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15};
 
-// Block b's codes (4 nibble words) of the 16 rows of `tile`, and its scale d and offset m.
+// Where block b (32 columns) of `tile` keeps its 16 rows' codes (4 nibble words), and its scale d
+// and offset m (Q4_K: sub-block b % 8 of super-block b / 8, its 6-bit scale and min applied).
 template <QType T>
-DG_AI const uint8_t* digit_weight_block(const uint8_t* tile, int64_t b, VF* d, VF* m) {
-  const uint8_t* blk = tile + b * kTileRows * block_bytes(T);
-  *d = vf_load_f16(blk);
-  if constexpr (T == QType::Q4_1) {
-    *m = vf_load_f16(blk + tile_off::kQ4_1M);
-    return blk + tile_off::kQ4_1Qs;
+DG_AI const uint8_t* digit_codes(const uint8_t* tile, int64_t b) {
+  if constexpr (T == QType::Q4_K) return tile + b / 8 * kQ4_KTileBlockBytes + tile_off::kQ4_KQs + 4 * 64 * (b % 8);
+  else return tile + b * kTileRows * block_bytes(T) + (T == QType::Q4_1 ? tile_off::kQ4_1Qs : tile_off::kQ4_0Qs);
+}
+template <QType T>
+DG_AI void digit_scales(const uint8_t* tile, int64_t b, VF* d, VF* m) {
+  if constexpr (T == QType::Q4_K) {
+    DqQ4_K<false>::scales(tile + b / 8 * kQ4_KTileBlockBytes, static_cast<int>(b % 8), d, m);
   } else {
-    *m = vf_mul(*d, vf_set1(-8.0f));
-    return blk + tile_off::kQ4_0Qs;
+    const uint8_t* blk = tile + b * kTileRows * block_bytes(T);
+    *d = vf_load_f16(blk);
+    *m = T == QType::Q4_1 ? vf_load_f16(blk + tile_off::kQ4_1M) : vf_mul(*d, vf_set1(-8.0f));
   }
 }
 
@@ -68,9 +72,8 @@ __attribute__((noinline)) void digit_block(const DigitJob& job, int64_t row0, in
   for (int64_t b = 0; b < nb; ++b) {
     if (lead) prefetch_chunk<NT>(job, tile0, b + kFusedPrefetchChunks, nb, tb, cb);
     side.burst();
-    const uint8_t* blk[NT];
-    DG_UNROLL for (int t = 0; t < NT; ++t) blk[t] = tiles[t] + b * kTileRows * block_bytes(T);
-    constexpr int64_t kQs = T == QType::Q4_1 ? tile_off::kQ4_1Qs : tile_off::kQ4_0Qs;
+    const uint8_t* codes[NT];
+    DG_UNROLL for (int t = 0; t < NT; ++t) codes[t] = digit_codes<T>(tiles[t], b);
     VI ca[MR][NT], cbs[MR][NT];
     DG_UNROLL for (int i = 0; i < MR; ++i) DG_UNROLL for (int t = 0; t < NT; ++t) {
       ca[i][t] = VI{_mm512_setzero_si512()};
@@ -80,9 +83,9 @@ __attribute__((noinline)) void digit_block(const DigitJob& job, int64_t row0, in
     const int16_t* xb = job.x.xb + ((row0 - job.x.first_row) * nb + b) * 32;
     DG_UNROLL for (int w = 0; w < 4; ++w) {
       __m512i v[NT];
-      DG_UNROLL for (int t = 0; t < NT; ++t) v[t] = _mm512_loadu_si512(blk[t] + kQs + 64 * w);
+      DG_UNROLL for (int t = 0; t < NT; ++t) v[t] = _mm512_loadu_si512(codes[t] + 64 * w);
       DG_UNROLL for (int c = 0; c < 4; ++c) {
-        __m512i code[NT];
+        __m512i code[NT];  // (columns c and c + 4 of the word's 8, a 16-bit pair a row)
         DG_UNROLL for (int t = 0; t < NT; ++t) code[t] = _mm512_and_si512(_mm512_srli_epi32(v[t], 4 * c), mask);
         DG_UNROLL for (int i = 0; i < MR; ++i) {
           const int64_t at = i * nb * 32 + 2 * (4 * w + c);
@@ -98,7 +101,7 @@ __attribute__((noinline)) void digit_block(const DigitJob& job, int64_t row0, in
       }
     }
     VF d[NT], m[NT];
-    DG_UNROLL for (int t = 0; t < NT; ++t) digit_weight_block<T>(blk[t], 0, &d[t], &m[t]);
+    DG_UNROLL for (int t = 0; t < NT; ++t) digit_scales<T>(tiles[t], b, &d[t], &m[t]);
     digit_fold<MR, NT>(job.x, row0, b, ca, cbs, d, m, y);
   }
   store_acc<MR, NT>(y, job, row0, tile0);
@@ -213,15 +216,12 @@ DG_AI void convert_codes(const uint8_t* qs, uint16_t* out) {
 // Groups of rows [r0, r1) (16 each, the last one fewer) against the job's tiles on the tile unit.
 template <QType T>
 void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
-  constexpr int64_t kBlockBytes = kTileRows * 20 - (T == QType::Q4_0 ? 32 : 0);  // 320 / 288
-  constexpr int64_t kQs = T == QType::Q4_1 ? tile_off::kQ4_1Qs : tile_off::kQ4_0Qs;
-  const int64_t nb = job.x.nb, tb = nb * kBlockBytes, groups = (r1 - r0 + 15) / 16;
+  const int64_t nb = job.x.nb, tb = tile_bytes(T, job.cols), groups = (r1 - r0 + 15) / 16;
   uint8_t* scratch = amx_scratch(kRing * 512 * 4 + kRing * 512 * 2 + 16 * kAmxChunk * 16 * 4);
   float* sums = reinterpret_cast<float*>(scratch);                   // [kRing][2][16][16]
   uint16_t* ring = reinterpret_cast<uint16_t*>(sums + kRing * 512);  // [kRing][16][32]
   float* ybuf = reinterpret_cast<float*>(ring + kRing * 512);        // [16][kAmxChunk][16]
   int cfg_rows = -1;
-  const uint8_t* const w_end = job.w + job.tile_end * tb;
   // the job's tiles in equal chunks of at most kAmxChunk (a short last chunk reloads the A tiles
   // per block for few tiles)
   const int64_t num_chunks = (job.tile_end - job.tile_begin + kAmxChunk - 1) / kAmxChunk;
@@ -240,21 +240,26 @@ void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
       for (int i = 0; i < 16 * kAmxChunk * 16; i += 16) _mm512_store_ps(ybuf + i, _mm512_setzero_ps());
       const int64_t ystride = ct * 16;
       // tile block j = b ct + tt: tile t0 + tt, block b
-      const auto block_at = [&](int64_t j) { return chunk + (j % ct) * tb + (j / ct) * kBlockBytes; };
+      const auto tile_at = [&](int64_t j) { return chunk + (j % ct) * tb; };
       const auto conv = [&](int64_t j) {
-        const uint8_t* p = block_at(j);
-        if (g == 0) {  // the chunk's first pass reads it from memory: two blocks of the tile ahead, into L2
-          const uint8_t* ahead = p + 2 * kBlockBytes;
-          if (ahead + kBlockBytes <= w_end)
-            for (int l = 0; l < kBlockBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T1);
+        const uint8_t* tile = tile_at(j);
+        const int64_t b = j / ct;
+        if (g == 0 && b + 2 < nb) {  // the chunk's first pass reads it from memory: two blocks of the tile ahead, into L2
+          const uint8_t* ahead = digit_codes<T>(tile, b + 2);
+          for (int l = 0; l < 256; l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T1);
+          // (the scales: Q4_0 / Q4_1 before their codes, Q4_K's at the head of each 256 columns)
+          const uint8_t* head = T == QType::Q4_K ? ((b + 2) % 8 == 0 ? tile + (b + 2) / 8 * kQ4_KTileBlockBytes : nullptr)
+                                                 : tile + (b + 2) * kTileRows * block_bytes(T);
+          if (head != nullptr)
+            for (int l = 0; l < (T == QType::Q4_K ? 320 : 64); l += 64) _mm_prefetch(reinterpret_cast<const char*>(head + l), _MM_HINT_T1);
         }
-        convert_codes(p + kQs, ring + (j % kRing) * 512);
+        convert_codes(digit_codes<T>(tile, b), ring + (j % kRing) * 512);
       };
       const auto fold = [&](int64_t j) {
         const float* ca = sums + (j % kRing) * 512;
         const float* cb = ca + 256;
         VF d, m;
-        digit_weight_block<T>(block_at(j), 0, &d, &m);
+        digit_scales<T>(tile_at(j), j / ct, &d, &m);
         const float* xs = reinterpret_cast<const float*>(grp[j / ct] + 6 * 1024);
         float* yb = ybuf + (j % ct) * 16;
         DG_UNROLL for (int i = 0; i < 16; ++i) {
@@ -459,6 +464,7 @@ void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols,
 void digits_gemm_avx512(const DigitJob& job) {
   if (job.type == QType::Q4_1) run_digits<QType::Q4_1>(job);
   else if (job.type == QType::Q4_0) run_digits<QType::Q4_0>(job);
+  else if (job.type == QType::Q4_K) run_digits<QType::Q4_K>(job);
 }
 
 }  // namespace backfill
