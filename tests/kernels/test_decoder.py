@@ -129,18 +129,25 @@ def test_quantized_segments_match_llama() -> None:
     run_twins(model, CpuDecoder(config, state), token_batches(config.vocab_size, seed=4))
 
 
-def check_kv_prefetch_changes_nothing() -> None:
-    model = tiny_model("gqa2_hd16", num_layers=3, intermediate_size=96, hidden_size=128)
+def q4_1_state(model: LlamaForCausalLM) -> dict[str, LinearWeights]:
+    """The model's weights with its linears as Q4_1 blocks (the default model's type)."""
     config = model.config
     state: dict[str, LinearWeights] = {}
     for i in range(config.num_layers):
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             pname = f"layers.{i}.{name}.weight"
             weight = dict(model.named_parameters())[pname]
-            packed, values = quantize(weight.detach().contiguous(), 3)  # Q4_1
+            packed, _ = quantize(weight.detach().contiguous(), 3)
             state[pname] = QuantWeight([packed], weight.shape[1])
     for pname, p in model.named_parameters():
         state.setdefault(pname, p.detach().clone())
+    return state
+
+
+def check_kv_prefetch_changes_nothing() -> None:
+    model = tiny_model("gqa2_hd16", num_layers=3, intermediate_size=96, hidden_size=128)
+    config = model.config
+    state = q4_1_state(model)
     with_prefetch, without = CpuDecoder(config, state), CpuDecoder(config, state)
     without.kv_prefetch_cap = 0
     assert with_prefetch.kv_prefetch_cap > 0
@@ -257,18 +264,7 @@ def test_row_shards_and_teams_change_nothing(num_threads: int) -> None:
 
 
 def q4_1_decoder(model: LlamaForCausalLM) -> CpuDecoder:
-    """The model's linears as Q4_1 blocks (the default model's type)."""
-    config = model.config
-    state: dict[str, LinearWeights] = {}
-    for i in range(config.num_layers):
-        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-            pname = f"layers.{i}.{name}.weight"
-            weight = dict(model.named_parameters())[pname]
-            packed, _ = quantize(weight.detach().contiguous(), 3)
-            state[pname] = QuantWeight([packed], weight.shape[1])
-    for pname, p in model.named_parameters():
-        state.setdefault(pname, p.detach().clone())
-    return CpuDecoder(config, state)
+    return CpuDecoder(model.config, q4_1_state(model))
 
 
 @pytest.mark.parametrize("num_threads", [2, 3])

@@ -51,37 +51,25 @@ void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, const 
 }
 
 void digits_gemm_scalar(const DigitJob& job) {
-  const int64_t K = job.cols, nb = job.x.nb;
-  const PackedMatrix w{job.w, job.type, job.rows, K};
-  const QMatrix one_row{nullptr, job.type, 1, K, K / block_elems(job.type) * block_bytes(job.type)};
-  std::vector<uint8_t> raw(static_cast<size_t>(one_row.row_bytes));  // [row_bytes] GGUF row
-  std::vector<float> codes(static_cast<size_t>(K)), dw(static_cast<size_t>(nb)), mw(static_cast<size_t>(nb));
-  const int64_t n_end = std::min(job.tile_end * kTileRows, job.rows);
-  for (int64_t n = job.tile_begin * kTileRows; n < n_end; ++n) {
-    unpack_row(w, n, raw.data());
-    QMatrix qm = one_row;
-    qm.data = raw.data();
-    factored_row_ref(qm, 0, codes.data(), dw.data(), mw.data());
-    for (int64_t i = 0; i < job.x.m; ++i) {  // (first_row 0: every row in the int16 form)
-      float acc = 0.0f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t at = i * nb + b;
-        int32_t ca = 0, cb = 0;
-        for (int j = 0; j < 32; ++j) {
-          const int32_t q = static_cast<int32_t>(codes[static_cast<size_t>(32 * b + digit_pair_column(j))]);
-          ca += q * job.x.xa[at * 32 + j];
-          cb += q * job.x.xb[at * 32 + j];
-        }
-        const float u = job.x.u[at];
-        const float s = std::fma(static_cast<float>(ca), u * 16384.0f, static_cast<float>(cb) * u);
-        acc = std::fma(s, dw[static_cast<size_t>(b)], acc);
-        acc = std::fma(job.x.xs[at], mw[static_cast<size_t>(b)], acc);
+  const int64_t nb = job.x.nb;
+  // (amx_end 0: every row in the int16 form)
+  factored_reference(job, [&](int64_t i, const float* codes, const float* dw, const float* mw) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t at = i * nb + b;
+      int32_t ca = 0, cb = 0;
+      for (int j = 0; j < 32; ++j) {
+        const int32_t q = static_cast<int32_t>(codes[32 * b + digit_pair_column(j)]);
+        ca += q * job.x.xa[at * 32 + j];
+        cb += q * job.x.xb[at * 32 + j];
       }
-      if (job.bias != nullptr) acc = acc + job.bias[n];
-      float& out = job.y[i * job.ldy + n];
-      out = job.accumulate ? out + acc : acc;
+      const float u = job.x.u[at];
+      const float s = std::fma(static_cast<float>(ca), u * 16384.0f, static_cast<float>(cb) * u);
+      acc = std::fma(s, dw[b], acc);
+      acc = std::fma(job.x.xs[at], mw[b], acc);
     }
-  }
+    return acc;
+  });
 }
 
 }  // namespace backfill

@@ -45,22 +45,20 @@ constexpr int kDigitMaxExp = 110;
 // kernels' 16-bit pairs both take x in this order.
 constexpr int digit_pair_column(int j) { return 8 * (j / 8) + (j / 2) % 4 + 4 * (j % 2); }
 
-// x prepared. Rows [first_row, m), per row i and block b (index (i - first_row) nb + b): XA and XB
-// in pair order, the grid unit u and Xb. Rows [0, amx_end) (amx_end = first_row where set) in
-// groups of 16 for the AMX kernel instead (the last one fewer), per group and block
-// kDigitGroupBlockBytes: the 4 A tiles (1 KB each: 16 rows x 32 bf16 in pair order, XA's high
+// x prepared. Rows [amx_end, m), per row i and block b (index (i - amx_end) nb + b): XA and XB
+// in pair order, the grid unit u and Xb. Rows [0, amx_end) in groups of 16 for the AMX kernel
+// instead (the last one fewer), per group and block kDigitGroupBlockBytes: the 4 A tiles (1 KB each: 16 rows x 32 bf16 in pair order, XA's high
 // and low 7 bits times 2^14 u, XB's times u), the two sum tiles' starting values (1 KB each:
 // -16 (sum XA) 2^14 u and -16 (sum XB) u in every column of a row), the 16 rows' Xb (0 past the
 // group's rows).
 constexpr int64_t kDigitGroupBlockBytes = 6 * 1024 + 64;
 struct DigitRows {
-  const int16_t* xa;  // [m - first_row][nb][32]
-  const int16_t* xb;  // [m - first_row][nb][32]
-  const float* u;     // [m - first_row][nb]
-  const float* xs;    // [m - first_row][nb] Xb
+  const int16_t* xa;  // [m - amx_end][nb][32]
+  const int16_t* xb;  // [m - amx_end][nb][32]
+  const float* u;     // [m - amx_end][nb]
+  const float* xs;    // [m - amx_end][nb] Xb
   int64_t m;
   int64_t nb;
-  int64_t first_row = 0;
   const uint8_t* const* groups = nullptr;  // [(amx_end + 15) / 16][nb]: each group's blocks
   int64_t amx_end = 0;
 };
@@ -106,9 +104,9 @@ inline float digit_pow2(int n) {
 }
 
 // Rows x[0 .. m) (row stride ldx, cols % 32 == 0) in the digit form, into `out`'s m x nb blocks
-// (first_row 0).
+// (amx_end 0).
 void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, const DigitBuffers& out);         // digits.cpp
-// The same bits for rows [row_begin, m), into `out`'s (m - row_begin) x nb blocks (first_row
+// The same bits for rows [row_begin, m), into `out`'s (m - row_begin) x nb blocks (amx_end
 // row_begin).
 void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols, const DigitBuffers& out,
                            int64_t row_begin);
@@ -117,25 +115,8 @@ void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols,
 // (amx_ready() only).
 void build_digit_blocks(const float* x, int64_t ldx, int64_t amx_end, int64_t b0, int64_t b1, uint8_t* out);
 
-// One job of the digit-form GEMM: y[i, 16 tile ..] for tiles [tile_begin, tile_end), all rows of
-// x; the weights packed as for the exact kernels (digit_type types only).
-struct DigitJob {
-  DigitRows x;
-  const uint8_t* w;
-  QType type;
-  int64_t rows;  // N
-  int64_t cols;  // K
-  const float* bias;
-  float* y;
-  int64_t ldy;
-  bool accumulate;
-  int64_t tile_begin;
-  int64_t tile_end;
-  // Lines [side_begin, side_end) of `side` to prefetch while the job computes (as TileJob's).
-  const SidePrefetch* side;
-  int64_t side_begin;
-  int64_t side_end;
-};
+// One job of the digit-form GEMM (digit_type types only).
+using DigitJob = PreparedJob<DigitRows>;
 
 void digits_gemm_scalar(const DigitJob& job);  // digits.cpp: portable C++, the definition
 // qgemm_digits_avx512.cpp: the AMX tile unit for rows [0, x.amx_end), AVX-512 VNNI (vpdpwssd) for

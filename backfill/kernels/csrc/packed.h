@@ -199,6 +199,28 @@ struct TileJob {
   bool subnormal_codes = false;
 };
 
+// One job of a GEMM over x prepared per row and block (Rows: q8.h's Q8Rows, the int8 activations;
+// digits.h's DigitRows, the digit form): y[i, 16 tile ..] for tiles [tile_begin, tile_end), all
+// rows of x; the weights packed as for the exact kernels.
+template <class Rows>
+struct PreparedJob {
+  Rows x;
+  const uint8_t* w;
+  QType type;
+  int64_t rows;  // N
+  int64_t cols;  // K
+  const float* bias;
+  float* y;
+  int64_t ldy;
+  bool accumulate;
+  int64_t tile_begin;
+  int64_t tile_end;
+  // Lines [side_begin, side_end) of `side` to prefetch while the job computes (as TileJob's).
+  const SidePrefetch* side;
+  int64_t side_begin;
+  int64_t side_end;
+};
+
 // A job's scratch: [panels: <= 2048 columns x 16 rows][partial sums: <= kScratchPartRows rows x 4
 // tiles x 16][x packed: ~512 KB, and at least 16 rows x K][the packed rows' block sums X: a
 // sixteenth of x packed (blocks of 16 columns or more)] fp32.

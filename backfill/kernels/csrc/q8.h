@@ -46,25 +46,8 @@ void quantize_rows_q8_avx2(const float* x, int64_t m, int64_t ldx, int64_t cols,
 inline float q8_scale(float amax) { return amax / 127.0f; }
 inline float q8_inverse(float scale) { return scale > 0.0f && scale <= 3.4028235e38f ? 1.0f / scale : 0.0f; }
 
-// One job of the int8-activation GEMM: y[i, 16 tile ..] for tiles [tile_begin, tile_end), all
-// rows of x; the weights packed as for the exact kernels (q8_activation_type types only).
-struct Q8Job {
-  Q8Rows x;
-  const uint8_t* w;
-  QType type;
-  int64_t rows;  // N
-  int64_t cols;  // K
-  const float* bias;
-  float* y;
-  int64_t ldy;
-  bool accumulate;
-  int64_t tile_begin;
-  int64_t tile_end;
-  // Lines [side_begin, side_end) of `side` to prefetch while the job computes (as TileJob's).
-  const SidePrefetch* side;
-  int64_t side_begin;
-  int64_t side_end;
-};
+// One job of the int8-activation GEMM (q8_activation_type types only).
+using Q8Job = PreparedJob<Q8Rows>;
 
 void q8_gemm_avx512vnni(const Q8Job& job);  // qgemm_q8_avx512.cpp: AVX-512 VNNI (vpdpbusd)
 void q8_gemm_avx2(const Q8Job& job);        // qgemm_avx2.cpp: AVX2 vpmaddubsw + vpmaddwd

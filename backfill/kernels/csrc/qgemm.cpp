@@ -124,7 +124,7 @@ DigitRows prepare_x_digits(const float* x, int64_t m, int64_t ldx, int64_t cols,
   if (fast) prepare_digits_avx512(x, m, ldx, cols, out, amx_end);
   else prepare_digits(x, m, ldx, cols, out);
   DigitRows rows{out.xa, out.xb, out.u, out.xs, m, nb};
-  rows.first_row = amx_end;
+  rows.amx_end = amx_end;
   if (groups == 0) return rows;
   group_at.resize(static_cast<size_t>(groups * nb));
   const auto own = [&](std::vector<uint8_t>& buf, int64_t count) {
@@ -167,7 +167,6 @@ DigitRows prepare_x_digits(const float* x, int64_t m, int64_t ldx, int64_t cols,
     }
   }
   rows.groups = group_at.data();
-  rows.amx_end = amx_end;
   return rows;
 }
 

@@ -46,7 +46,7 @@ template <int MR, int NT>
 DG_AI void digit_fold(const DigitRows& x, int64_t row0, int64_t b, const VI (&ca)[MR][NT], const VI (&cb)[MR][NT],
                       const VF* d, const VF* m, VF (&y)[MR][NT]) {
   DG_UNROLL for (int i = 0; i < MR; ++i) {
-    const int64_t at = (row0 + i - x.first_row) * x.nb + b;
+    const int64_t at = (row0 + i - x.amx_end) * x.nb + b;
     const VF ua = vf_set1(x.u[at] * 16384.0f), ub = vf_set1(x.u[at]), xs = vf_set1(x.xs[at]);
     DG_UNROLL for (int t = 0; t < NT; ++t) {
       const VF s = vf_fma(vi_to_f(ca[i][t]), ua, vf_mul(vi_to_f(cb[i][t]), ub));
@@ -79,8 +79,8 @@ __attribute__((noinline)) void digit_block(const DigitJob& job, int64_t row0, in
       ca[i][t] = VI{_mm512_setzero_si512()};
       cbs[i][t] = VI{_mm512_setzero_si512()};
     }
-    const int16_t* xa = job.x.xa + ((row0 - job.x.first_row) * nb + b) * 32;
-    const int16_t* xb = job.x.xb + ((row0 - job.x.first_row) * nb + b) * 32;
+    const int16_t* xa = job.x.xa + ((row0 - job.x.amx_end) * nb + b) * 32;
+    const int16_t* xb = job.x.xb + ((row0 - job.x.amx_end) * nb + b) * 32;
     DG_UNROLL for (int w = 0; w < 4; ++w) {
       __m512i v[NT];
       DG_UNROLL for (int t = 0; t < NT; ++t) v[t] = _mm512_loadu_si512(codes[t] + 64 * w);

@@ -399,7 +399,7 @@ BF_AI void block_sums(const float* x, int64_t cols, int64_t qb, float* out, int6
 // Epilogue: y[row0 + i, 16 (tile0 + t) ..] = acc (+ bias) (+ y if accumulate), the last tile cut
 // at N.
 
-// (Job: a TileJob or a Q8Job, q8.h: the fields read here are the same.)
+// (Job: a TileJob or a PreparedJob, packed.h: the fields read here are the same.)
 template <int MR, int NT, class Job>
 BF_AI void store_acc(const VF (&acc)[MR][NT], const Job& job, int64_t row0, int64_t tile0) {
   // the job's fields in locals: stores through y may alias job as far as the compiler knows,
@@ -554,7 +554,7 @@ constexpr int64_t kFusedPrefetchChunks = 6;
 // chunks it is ~12 KB ahead for Q4_1, ~20 KB for Q8_0.
 // kLines: cb's lines, ceil(cb / 64), where the caller's type fixes cb (the prefetches then
 // unrolled: the loop's own instructions had cost a one-row Q4_1 GEMV on AVX2 ~3%), else 0.
-// (Job: a TileJob or a Q8Job, q8.h.)
+// (Job: a TileJob or a PreparedJob, packed.h.)
 template <int NT, int64_t kLines = 0, class Job>
 BF_AI void prefetch_chunk(const Job& job, int64_t tile0, int64_t c, int64_t nc, int64_t tb, int64_t cb) {
   while (c >= nc) {
