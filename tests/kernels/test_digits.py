@@ -1,4 +1,4 @@
-"""The digit form of the Q4_0 / Q4_1 / Q4_K products (backfill/kernels/csrc/digits.h): x on a 27-bit
+"""The digit form of the Q4_0 / Q4_1 / Q4_K products (backfill/kernels/csrc/digits.h): x on a 24-bit
 fixed-point grid per 32-column block, exact integer sums, one rounding a block. Every kernel that
 computes it (the portable one, AVX-512 VNNI, the AMX tile unit where the CPU has one) gives the
 definition's bits, at every row count and thread count, so a process may switch kernels by row
@@ -69,16 +69,14 @@ def digit_definition(raw: torch.Tensor, qtype: int, x: torch.Tensor) -> np.ndarr
     e = (max_bits >> 23).astype(np.int64) - 127
     bad = e > 110
     e = np.maximum(np.where(bad, 0, e), -99)
-    u = np.ldexp(np.float32(1.0), (e - 26).astype(np.int32)).astype(np.float32)  # [M, nb]
-    scale = np.ldexp(1.0, (26 - e).astype(np.int32))
+    u = np.ldexp(np.float32(1.0), (e - 22).astype(np.int32)).astype(np.float32)  # [M, nb]
+    scale = np.ldexp(1.0, (22 - e).astype(np.int32))
     big = np.rint(xb.astype(np.float64) * scale[..., None]).astype(np.int64)  # round half to even
+    big = np.minimum(big, 2**23 - 1)  # (2^23 saturates)
     big[bad] = 0
-    xa, xl = big >> 14, big & 0x3FFF
-    ca = np.einsum("mbk,nbk->mnb", xa, codes)  # [M, N, nb], exact
-    cb = np.einsum("mbk,nbk->mnb", xl, codes)
-    ua = (u * np.float32(16384.0))[:, None, :]
-    s = fma32(ca.astype(np.float32), ua, cb.astype(np.float32) * u[:, None, :])
-    xs = fma32(xa.sum(axis=2).astype(np.float32), u * np.float32(16384.0), xl.sum(axis=2).astype(np.float32) * u)
+    c = np.einsum("mbk,nbk->mnb", big, codes)  # [M, N, nb], exact
+    s = c.astype(np.float32) * u[:, None, :]  # rounded once, then scaled exactly
+    xs = big.sum(axis=2).astype(np.float32) * u
     xs[bad] = np.nan
     y = np.zeros((x.shape[0], n), np.float32)
     for b in range(nb):

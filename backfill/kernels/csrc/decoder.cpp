@@ -618,12 +618,13 @@ class FusedDecoder {
       most = std::max(most, mine);
     }
     // every shard reads all the weights: more shards need more rows each to pay for the reads
-    // (where the MLP runs on the AMX tile unit from a group of amx_group_rows: at fewer rows a shard
-    // would run it on vector dots, ~0.8x the FMA kernels' speed, where one team runs the tile unit
-    // on the step's rows; a 2-core Sapphire Rapids Xeon at batch 16: 21.7 ms a step as a team
-    // against 28.7 in two shards of 8, at 24 30.6 in shards of 12 against 35-37)
+    // (where the MLP runs on the AMX tile unit from amx_group_rows rows, a step of a whole group of
+    // 16 or more runs as one team rather than in shards too small for the tile unit, whose vector
+    // dots run about as fast as the FMA kernels: a 2-core Sapphire Rapids Xeon at batch 16, 19.3 ms
+    // a step as a team against 19.5 in two shards of 8, at 20 24.9 against 25.4; at 8 and 12, where
+    // a team's tile unit gains little, shards ran 4-7% faster)
     const int64_t amx_rows = layers_.empty() ? 0 : amx_group_rows(layers_[0].gate_up.segments.front().matrix);
-    const int64_t min_rows = std::max({kShardMinRows, 2 * n, amx_rows});
+    const int64_t min_rows = std::max({kShardMinRows, 2 * n, meta.num_tokens >= 16 ? amx_rows : 0});
     const bool shard = n > 1 && (row_shards_ > 0 || (meta.num_tokens >= n * min_rows &&
                                                      longest_query <= kShardMaxQueries && 4 * most * n <= 5 * total));
     const int64_t num_shards = shard ? n : 1;

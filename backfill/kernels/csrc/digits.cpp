@@ -13,12 +13,13 @@
 
 namespace backfill {
 
-void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, const DigitBuffers& out) {
+void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, uint8_t* out, int64_t row_begin) {
   const int64_t nb = cols / 32;
-  for (int64_t i = 0; i < m; ++i) {
+  for (int64_t i = row_begin; i < m; ++i) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + i * ldx + 32 * b;
-      const int64_t at = i * nb + b;
+      uint8_t* rec = out + ((i - row_begin) * nb + b) * kDigitRowBytes;
+      std::memset(rec, 0, kDigitRowBytes);
       uint32_t max_bits = 0;
       for (int k = 0; k < 32; ++k) {
         uint32_t bits;
@@ -26,47 +27,43 @@ void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, const 
         max_bits = std::max(max_bits, bits & 0x7FFFFFFFu);
       }
       int e = 0;
-      int16_t* xa = out.xa + at * 32;
-      int16_t* xl = out.xb + at * 32;
-      if (!digit_exponent(max_bits, &e)) {
-        std::fill(xa, xa + 32, int16_t{0});
-        std::fill(xl, xl + 32, int16_t{0});
-        out.u[at] = 1.0f;
-        out.xs[at] = NAN;
-        continue;
+      float u = 1.0f, xs = NAN;
+      if (digit_exponent(max_bits, &e)) {
+        const float scale = digit_pow2(22 - e);
+        u = digit_pow2(e - 22);
+        int32_t sum = 0;
+        for (int j = 0; j < 32; ++j) {
+          const int32_t v = std::min(static_cast<int32_t>(std::nearbyint(xb[digit_byte_column(j)] * scale)), kDigitMax);
+          rec[j] = static_cast<uint8_t>(v >> 16);  // (int8)
+          rec[32 + j] = static_cast<uint8_t>((v >> 8) & 255);
+          rec[64 + j] = static_cast<uint8_t>(v & 255);
+          sum += v;
+        }
+        xs = static_cast<float>(sum) * u;
       }
-      const float scale = digit_pow2(26 - e), u = digit_pow2(e - 26);
-      int32_t sa = 0, sb = 0;
-      for (int j = 0; j < 32; ++j) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[digit_pair_column(j)] * scale));
-        xa[j] = static_cast<int16_t>(v >> 14);
-        xl[j] = static_cast<int16_t>(v & 0x3FFF);
-        sa += v >> 14;
-        sb += v & 0x3FFF;
-      }
-      out.u[at] = u;
-      out.xs[at] = std::fma(static_cast<float>(sa), u * 16384.0f, static_cast<float>(sb) * u);
+      std::memcpy(rec + 96, &u, 4);
+      std::memcpy(rec + 100, &xs, 4);
     }
   }
 }
 
 void digits_gemm_scalar(const DigitJob& job) {
   const int64_t nb = job.x.nb;
-  // (amx_end 0: every row in the int16 form)
+  // (amx_end 0: every row a record)
   factored_reference(job, [&](int64_t i, const float* codes, const float* dw, const float* mw) {
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t at = i * nb + b;
-      int32_t ca = 0, cb = 0;
+      const uint8_t* rec = job.x.rows + (i * nb + b) * kDigitRowBytes;
+      int64_t c = 0;
       for (int j = 0; j < 32; ++j) {
-        const int32_t q = static_cast<int32_t>(codes[32 * b + digit_pair_column(j)]);
-        ca += q * job.x.xa[at * 32 + j];
-        cb += q * job.x.xb[at * 32 + j];
+        const int64_t v = static_cast<int8_t>(rec[j]) * 65536 + rec[32 + j] * 256 + rec[64 + j];
+        c += static_cast<int64_t>(codes[32 * b + digit_byte_column(j)]) * v;
       }
-      const float u = job.x.u[at];
-      const float s = std::fma(static_cast<float>(ca), u * 16384.0f, static_cast<float>(cb) * u);
-      acc = std::fma(s, dw[b], acc);
-      acc = std::fma(job.x.xs[at], mw[b], acc);
+      float u, xs;
+      std::memcpy(&u, rec + 96, 4);
+      std::memcpy(&xs, rec + 100, 4);
+      acc = std::fma(static_cast<float>(c) * u, dw[b], acc);
+      acc = std::fma(xs, mw[b], acc);
     }
     return acc;
   });

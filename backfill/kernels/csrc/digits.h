@@ -1,30 +1,37 @@
 // The digit form of the 4-bit types' products (qgemm.h: digit_form; Q4_0, Q4_1, Q4_K): exact
 // integer sums that the AMX tile unit, AVX-512 VNNI and plain C++ all compute to the same bits at
-// any row count, so a process can run AMX from a group of 10-16 rows and vector integer dots below
+// any row count, so a process can run AMX from a group of 12-16 rows and vector integer dots below
 // them without breaking batch invariance. Measured first in scripts/amx_digits.cpp (BENCHMARKS.md,
-// sessions 61-63).
+// sessions 61-63). The grid holds 24 bits since session 64: 27 bits took 32 vpdpwssd (16-bit
+// pairs) a row, tile and block, as many as the FMA kernel's FMAs, and the vector dots ran ~0.8x its
+// speed; 24 bits as three bytes take 24 vpdpbusd (four codes a lane), ~1.0-1.25x.
 // No torch or STL headers (the ISA translation units include this file, see isa.h).
 //
 // x, per row and 32-column block, on a fixed-point grid: E the exponent of the block's largest
-// |x| (at least kDigitMinExp), u = 2^(E - 26), X[k] = round(x[k] / u) (|X| < 2^27, round to
-// nearest even), split X = XA 2^14 + XB (XA = X >> 14 signed, XB = X & 0x3FFF). Per weight row n
-// and block b, with q the codes, d and m the block's scale and offset as factored_row_ref gives
-// them (Q4_0: m = -8 d):
-//   ca = sum_k q[k] XA[k], cb = sum_k q[k] XB[k]       (integers, exact: |ca| < 2^22, cb < 2^23)
-//   S  = fma(ca, 2^14 u, cb u)                          (the exact sum x q rounded once)
-//   Xb = fma(sum XA, 2^14 u, (sum XB) u)                (the block's sum of x, rounded once)
+// |x| (at least kDigitMinExp), u = 2^(E - 22), X[k] = round(x[k] / u) (round to nearest even;
+// |X| <= 2^23, and 2^23 saturates to 2^23 - 1: 24 bits, as an fp32 holds the largest |x|). Per
+// weight row n and block b, with q the codes, d and m the block's scale and offset as
+// factored_row_ref gives them (Q4_0: m = -8 d):
+//   c  = sum_k q[k] X[k]                 (an integer, exact: |c| < 2^32)
+//   S  = round(c) u                      (the exact sum x q rounded once: an fp32 holds it)
+//   Xb = round(sum_k X[k]) u             (the block's sum of x, rounded once)
 //   y  = fma(S, d, y), then y = fma(Xb, m, y), over the blocks in order from +0
 // then y + bias, + the old y where accumulating (as TileJob's). x loses what the grid cannot hold
-// (below 2^-27 of the block's largest |x|: about the error of one fp32 rounding of the block's
+// (below 2^-23 of the block's largest |x|: about the error of one fp32 rounding of the block's
 // sum), so the numbers differ from the fp32 chains of TileJob by about an fp32 rounding, within
 // its accuracy bound. A block whose largest |x| is not finite or reaches 2^(kDigitMaxExp + 1)
 // gives NaN (its Xb), as an overflowing fp32 sum would give inf or NaN.
 //
-// The AMX kernel (tile dot products of bf16 pairs, fp32 sums) holds the grid's 7-bit digits of
-// XA and XB (exact in bf16) against the codes as bf16(16 + q), its sum tiles started at
-// -16 (sum XA) 2^14 u and -16 (sum XB) u: every partial sum is an integer below 2^24 times a power
-// of two, so any summation order gives the same bits, and u >= 2^-125 keeps every value normal
-// (the unit flushes subnormals).
+// The vector kernel (AVX-512 VNNI byte dots, int32 sums) takes X as three bytes, X = D2 2^16 +
+// D1 2^8 + D0 (D2 = X >> 16 signed, D1 and D0 unsigned): c = C2 2^16 + C1 2^8 + C0 with C the
+// codes' dots with each (exact: |C| < 2^17), rounded once as fma(A, 2^16 u, L u), A = C2 + (T >> 16)
+// and L = T & 0xFFFF for T = C1 2^8 + C0.
+// The AMX kernel (tile dot products of bf16 pairs, fp32 sums) holds XA = X >> 12 (signed) and XB =
+// X & 4095 as 6-bit digits (exact in bf16), times 2^12 u and u, against the codes as bf16(16 +
+// q), its sum tiles started at -16 (sum XA) 2^12 u and -16 (sum XB) u: every partial sum is an
+// integer below 2^24 times a power of two, so any summation order gives the same bits, the two
+// tiles' sum is c u rounded once, and u >= 2^-121 keeps every value normal (the unit flushes
+// subnormals).
 #pragma once
 
 #include "packed.h"
@@ -41,22 +48,27 @@ constexpr int kDigitMaxExp = 110;
 
 // Element j of a block's 32 in pair order holds column digit_pair_column(j): pair p = j / 2 =
 // 4 w + c holds columns 8 w + c and 8 w + c + 4, the two codes one 32-bit lane of nibble word w
-// gives by one shift (4 c) and one and (packed.h: nibble words); the AMX A tiles and the VNNI
-// kernels' 16-bit pairs both take x in this order.
+// gives by one shift (4 c) and one and (packed.h: nibble words); the AMX A tiles take x in this
+// order.
 constexpr int digit_pair_column(int j) { return 8 * (j / 8) + (j / 2) % 4 + 4 * (j % 2); }
+// Element j of a block's 32 in byte order holds column digit_byte_column(j): quad j / 4 = 2 w + h
+// holds columns 8 w + h, 8 w + h + 2, 8 w + h + 4, 8 w + h + 6, the four bytes of a 32-bit lane of
+// nibble word w after one and (h = 0) or a shift and an and (h = 1); the VNNI kernel's digits.
+constexpr int digit_byte_column(int j) { return 8 * (j / 8) + (j / 4) % 2 + 2 * (j % 4); }
+// X's largest value (2^23 rounds down to it).
+constexpr int32_t kDigitMax = (1 << 23) - 1;
 
-// x prepared. Rows [amx_end, m), per row i and block b (index (i - amx_end) nb + b): XA and XB
-// in pair order, the grid unit u and Xb. Rows [0, amx_end) in groups of 16 for the AMX kernel
-// instead (the last one fewer), per group and block kDigitGroupBlockBytes: the 4 A tiles (1 KB each: 16 rows x 32 bf16 in pair order, XA's high
-// and low 7 bits times 2^14 u, XB's times u), the two sum tiles' starting values (1 KB each:
-// -16 (sum XA) 2^14 u and -16 (sum XB) u in every column of a row), the 16 rows' Xb (0 past the
-// group's rows).
+// x prepared. Rows [amx_end, m), per row i and block b a record of kDigitRowBytes at rows + ((i -
+// amx_end) nb + b) kDigitRowBytes: D2 [32] int8, D1 [32] uint8, D0 [32] uint8 (byte order), u, Xb
+// (fp32). Rows [0, amx_end) in groups of 16 for the AMX kernel instead (the last one fewer), per
+// group and block kDigitGroupBlockBytes: the 4 A tiles (1 KB each: 16 rows x 32 bf16 in pair
+// order, XA's high and low 6 bits times 2^12 u, XB's times u), the two sum tiles' starting values
+// (1 KB each: -16 (sum XA) 2^12 u and -16 (sum XB) u in every column of a row), the 16 rows' Xb
+// (0 past the group's rows).
+constexpr int64_t kDigitRowBytes = 128;
 constexpr int64_t kDigitGroupBlockBytes = 6 * 1024 + 64;
 struct DigitRows {
-  const int16_t* xa;  // [m - amx_end][nb][32]
-  const int16_t* xb;  // [m - amx_end][nb][32]
-  const float* u;     // [m - amx_end][nb]
-  const float* xs;    // [m - amx_end][nb] Xb
+  const uint8_t* rows;  // [m - amx_end][nb] records
   int64_t m;
   int64_t nb;
   const uint8_t* const* groups = nullptr;  // [(amx_end + 15) / 16][nb]: each group's blocks
@@ -69,22 +81,6 @@ inline int64_t digit_amx_end(int64_t m, int64_t min_rows) {
   if (min_rows <= 0) return 0;
   const int64_t whole = m / 16 * 16;
   return m - whole >= min_rows ? m : whole;
-}
-
-// Writable buffers for m rows of nb blocks (one allocation, carved up by digit_buffers).
-inline int64_t digit_buffer_bytes(int64_t m, int64_t nb) { return m * nb * (2 * 64 + 2 * 4) + 64; }
-struct DigitBuffers {
-  int16_t* xa;
-  int16_t* xb;
-  float* u;
-  float* xs;
-};
-inline DigitBuffers digit_buffers(void* mem, int64_t m, int64_t nb) {
-  const uintptr_t p = (reinterpret_cast<uintptr_t>(mem) + 63) & ~uintptr_t{63};
-  int16_t* xa = reinterpret_cast<int16_t*>(p);
-  int16_t* xb = xa + m * nb * 32;
-  float* u = reinterpret_cast<float*>(xb + m * nb * 32);
-  return DigitBuffers{xa, xb, u, u + m * nb};
 }
 
 // The block's grid: E from the largest |x|'s bits (an integer max of |x|'s bits: NaN above inf
@@ -103,13 +99,10 @@ inline float digit_pow2(int n) {
   return f;
 }
 
-// Rows x[0 .. m) (row stride ldx, cols % 32 == 0) in the digit form, into `out`'s m x nb blocks
-// (amx_end 0).
-void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, const DigitBuffers& out);         // digits.cpp
-// The same bits for rows [row_begin, m), into `out`'s (m - row_begin) x nb blocks (amx_end
-// row_begin).
-void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols, const DigitBuffers& out,
-                           int64_t row_begin);
+// Rows [row_begin, m) of x (row stride ldx, cols % 32 == 0) in the digit form, as records
+// (DigitRows: rows) at out.
+void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, uint8_t* out, int64_t row_begin);  // digits.cpp
+void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols, uint8_t* out, int64_t row_begin);
 // Blocks [b0, b1) of every group of rows [0, amx_end) (16 rows each, the last one fewer) as AMX
 // group blocks (DigitRows), block b of group g at out + ((b - b0) groups + g) kDigitGroupBlockBytes
 // (amx_ready() only).
@@ -119,7 +112,7 @@ void build_digit_blocks(const float* x, int64_t ldx, int64_t amx_end, int64_t b0
 using DigitJob = PreparedJob<DigitRows>;
 
 void digits_gemm_scalar(const DigitJob& job);  // digits.cpp: portable C++, the definition
-// qgemm_digits_avx512.cpp: the AMX tile unit for rows [0, x.amx_end), AVX-512 VNNI (vpdpwssd) for
+// qgemm_digits_avx512.cpp: the AMX tile unit for rows [0, x.amx_end), AVX-512 VNNI (vpdpbusd) for
 // the rest; needs VNNI.
 void digits_gemm_avx512(const DigitJob& job);
 // Whether this CPU and OS run AMX-BF16 for this process (asks the kernel for the tile data

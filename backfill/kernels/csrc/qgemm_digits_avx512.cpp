@@ -1,4 +1,4 @@
-// The digit form's kernels (digits.h) on AVX-512: x's preparation, vpdpwssd dots for a few rows,
+// The digit form's kernels (digits.h) on AVX-512: x's preparation, vpdpbusd dots for a few rows,
 // and the AMX tile unit (TDPBF16PS) for groups of 16 rows, all to the bits of digits_gemm_scalar.
 // A unit of its own: its target adds VNNI, AVX512-BF16 and AMX, which only the CPUs that pass
 // amx_ready() / the VNNI check in qgemm.cpp run (isa.h).
@@ -40,24 +40,25 @@ DG_AI void digit_scales(const uint8_t* tile, int64_t b, VF* d, VF* m) {
   }
 }
 
-// One block's exact sums of MR rows x NT tiles folded into y: S = fma(ca, 2^14 u, cb u),
-// y = fma(S, d, y), y = fma(Xb, m, y).
-template <int MR, int NT>
-DG_AI void digit_fold(const DigitRows& x, int64_t row0, int64_t b, const VI (&ca)[MR][NT], const VI (&cb)[MR][NT],
-                      const VF* d, const VF* m, VF (&y)[MR][NT]) {
-  DG_UNROLL for (int i = 0; i < MR; ++i) {
-    const int64_t at = (row0 + i - x.amx_end) * x.nb + b;
-    const VF ua = vf_set1(x.u[at] * 16384.0f), ub = vf_set1(x.u[at]), xs = vf_set1(x.xs[at]);
-    DG_UNROLL for (int t = 0; t < NT; ++t) {
-      const VF s = vf_fma(vi_to_f(ca[i][t]), ua, vf_mul(vi_to_f(cb[i][t]), ub));
-      y[i][t] = vf_fma(m[t], xs, vf_fma(s, d[t], y[i][t]));
-    }
-  }
+// c u rounded once for one row's 16 columns from its three byte dots (digits.h).
+DG_AI __m512 digit_sum(__m512i c2, __m512i c1, __m512i c0, float u) {
+  const __m512i t = _mm512_add_epi32(_mm512_slli_epi32(c1, 8), c0);
+  const __m512i a = _mm512_add_epi32(c2, _mm512_srai_epi32(t, 16));
+  const __m512i l = _mm512_and_si512(t, _mm512_set1_epi32(0xFFFF));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(u * 65536.0f),
+                         _mm512_mul_ps(_mm512_cvtepi32_ps(l), _mm512_set1_ps(u)));
 }
 
-// Rows [row0, row0 + MR) against tiles [tile0, tile0 + NT) with vpdpwssd: a nibble word's lane
-// gives columns c and c + 4 of its 8 as one 16-bit pair by a shift and an and, dotted with x's
-// pair (XA or XB) of those columns. Prefetching as q8_block does.
+DG_AI int32_t load_i32(const uint8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return v;
+}
+
+// Rows [row0, row0 + MR) against tiles [tile0, tile0 + NT) with vpdpbusd: a nibble word's lane
+// gives 4 codes as bytes by one and (its even columns) or a shift and an and (odd), dotted with
+// x's D2 (signed: the codes the unsigned operand) and D1, D0 (unsigned: the codes the signed one)
+// of those columns. Prefetching as q8_block does.
 template <QType T, int MR, int NT>
 __attribute__((noinline)) void digit_block(const DigitJob& job, int64_t row0, int64_t tile0, bool lead,
                                            SideCursor& side) {
@@ -68,41 +69,48 @@ __attribute__((noinline)) void digit_block(const DigitJob& job, int64_t row0, in
   DG_UNROLL for (int t = 0; t < NT; ++t) tiles[t] = job.w + (tile0 + t) * tb;
   VF y[MR][NT];
   DG_UNROLL for (int i = 0; i < MR; ++i) DG_UNROLL for (int t = 0; t < NT; ++t) y[i][t] = vf_zero();
-  const __m512i mask = _mm512_set1_epi32(0x000F000F);
+  const __m512i mask = _mm512_set1_epi32(0x0F0F0F0F);
   for (int64_t b = 0; b < nb; ++b) {
     if (lead) prefetch_chunk<NT>(job, tile0, b + kFusedPrefetchChunks, nb, tb, cb);
     side.burst();
     const uint8_t* codes[NT];
     DG_UNROLL for (int t = 0; t < NT; ++t) codes[t] = digit_codes<T>(tiles[t], b);
-    VI ca[MR][NT], cbs[MR][NT];
-    DG_UNROLL for (int i = 0; i < MR; ++i) DG_UNROLL for (int t = 0; t < NT; ++t) {
-      ca[i][t] = VI{_mm512_setzero_si512()};
-      cbs[i][t] = VI{_mm512_setzero_si512()};
+    const uint8_t* rec[MR];
+    __m512i c2[MR][NT], c1[MR][NT], c0[MR][NT];
+    DG_UNROLL for (int i = 0; i < MR; ++i) {
+      rec[i] = job.x.rows + ((row0 + i - job.x.amx_end) * nb + b) * kDigitRowBytes;
+      DG_UNROLL for (int t = 0; t < NT; ++t) c2[i][t] = c1[i][t] = c0[i][t] = _mm512_setzero_si512();
     }
-    const int16_t* xa = job.x.xa + ((row0 - job.x.amx_end) * nb + b) * 32;
-    const int16_t* xb = job.x.xb + ((row0 - job.x.amx_end) * nb + b) * 32;
     DG_UNROLL for (int w = 0; w < 4; ++w) {
       __m512i v[NT];
       DG_UNROLL for (int t = 0; t < NT; ++t) v[t] = _mm512_loadu_si512(codes[t] + 64 * w);
-      DG_UNROLL for (int c = 0; c < 4; ++c) {
-        __m512i code[NT];  // (columns c and c + 4 of the word's 8, a 16-bit pair a row)
-        DG_UNROLL for (int t = 0; t < NT; ++t) code[t] = _mm512_and_si512(_mm512_srli_epi32(v[t], 4 * c), mask);
+      DG_UNROLL for (int h = 0; h < 2; ++h) {
+        __m512i code[NT];
+        DG_UNROLL for (int t = 0; t < NT; ++t)
+          code[t] = _mm512_and_si512(h == 0 ? v[t] : _mm512_srli_epi32(v[t], 4), mask);
         DG_UNROLL for (int i = 0; i < MR; ++i) {
-          const int64_t at = i * nb * 32 + 2 * (4 * w + c);
-          int32_t pa, pb;
-          __builtin_memcpy(&pa, xa + at, 4);
-          __builtin_memcpy(&pb, xb + at, 4);
-          const __m512i ba = _mm512_set1_epi32(pa), bb = _mm512_set1_epi32(pb);
+          const int64_t at = 8 * w + 4 * h;
+          const __m512i b2 = _mm512_set1_epi32(load_i32(rec[i] + at));
+          const __m512i b1 = _mm512_set1_epi32(load_i32(rec[i] + 32 + at));
+          const __m512i b0 = _mm512_set1_epi32(load_i32(rec[i] + 64 + at));
           DG_UNROLL for (int t = 0; t < NT; ++t) {
-            ca[i][t].v = _mm512_dpwssd_epi32(ca[i][t].v, code[t], ba);
-            cbs[i][t].v = _mm512_dpwssd_epi32(cbs[i][t].v, code[t], bb);
+            c2[i][t] = _mm512_dpbusd_epi32(c2[i][t], code[t], b2);
+            c1[i][t] = _mm512_dpbusd_epi32(c1[i][t], b1, code[t]);
+            c0[i][t] = _mm512_dpbusd_epi32(c0[i][t], b0, code[t]);
           }
         }
       }
     }
     VF d[NT], m[NT];
     DG_UNROLL for (int t = 0; t < NT; ++t) digit_scales<T>(tiles[t], b, &d[t], &m[t]);
-    digit_fold<MR, NT>(job.x, row0, b, ca, cbs, d, m, y);
+    DG_UNROLL for (int i = 0; i < MR; ++i) {
+      float u, xs;
+      __builtin_memcpy(&u, rec[i] + 96, 4);
+      __builtin_memcpy(&xs, rec[i] + 100, 4);
+      const VF xsv = vf_set1(xs);
+      DG_UNROLL for (int t = 0; t < NT; ++t)
+        y[i][t] = vf_fma(m[t], xsv, vf_fma(VF{digit_sum(c2[i][t], c1[i][t], c0[i][t], u)}, d[t], y[i][t]));
+    }
   }
   store_acc<MR, NT>(y, job, row0, tile0);
 }
@@ -113,8 +121,8 @@ struct Int {
 };
 
 constexpr int kDigitNT1 = 4;  // one row: 4 tiles
-// more rows: 2 tiles x up to 4 rows (8 rows x 1 tile ran 5-15% slower: the sums of 8 rows leave
-// too few registers)
+// more rows: 2 tiles x up to 4 rows (three sums a row and tile; on a 2-core Sapphire Rapids Xeon
+// 3 x 2, 4 x 1 and 2 x 2 ran 2-20% slower at 4-12 rows)
 constexpr int kDigitNT = 2;
 constexpr int kDigitMR = 4;
 
@@ -322,62 +330,67 @@ void run_digits(const DigitJob& job) {
   side.start(job.side, job.side_begin, job.side_end, (amx_end + 15) / 16 * tiles * nb + vnni_bursts(m - amx_end, tiles, nb));
   if (amx_end > 0) amx_rows<T>(job, 0, amx_end, side);
   if (amx_end < m) {
-    // rows in chunks (~256 KB of x's digits kept in L2 while the tiles pass over them)
-    const int64_t chunk = (int64_t{1} << 18) / (job.cols * 4) > kDigitMR ? (int64_t{1} << 18) / (job.cols * 4) : kDigitMR;
+    // rows in chunks (~256 KB of x's records kept in L2 while the tiles pass over them)
+    const int64_t per = (int64_t{1} << 18) / (nb * kDigitRowBytes), chunk = per > kDigitMR ? per : kDigitMR;
     for (int64_t r0 = amx_end; r0 < m; r0 += chunk) vnni_rows<T>(job, r0, r0 + chunk < m ? r0 + chunk : m, side);
   }
 }
 
-// One row-block of x on the grid: XA and XB in pair order (16 int32 each per half), or false
-// where the block gives NaN.
+// One row-block of x on the grid (digits.h): X of its 32 columns in pair order (16 a half), or
+// false where the block gives NaN.
 struct BlockDigits {
-  __m512i xa[2], xb[2];
+  __m512i x[2];
   float u;
 };
-DG_AI bool block_digits(const float* x, BlockDigits* out) {
-  const __m512i order = _mm512_load_si512(kPairOrder), abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+DG_AI bool block_digits(const float* x, const int32_t* order, BlockDigits* out) {
+  const __m512i perm = _mm512_load_si512(order), abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   const __m512i v0 = _mm512_castps_si512(_mm512_loadu_ps(x)), v1 = _mm512_castps_si512(_mm512_loadu_ps(x + 16));
   const uint32_t max_bits =
       _mm512_reduce_max_epu32(_mm512_max_epu32(_mm512_and_si512(v0, abs_mask), _mm512_and_si512(v1, abs_mask)));
   int e = 0;
   if (!digit_exponent(max_bits, &e)) return false;
-  out->u = digit_pow2(e - 26);
-  const __m512 scale = _mm512_set1_ps(digit_pow2(26 - e));
+  out->u = digit_pow2(e - 22);
+  const __m512 scale = _mm512_set1_ps(digit_pow2(22 - e));
   for (int h = 0; h < 2; ++h) {
-    const __m512 v = _mm512_permutexvar_ps(order, _mm512_castsi512_ps(h == 0 ? v0 : v1));
-    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, scale));  // round to nearest even (the default MXCSR)
-    out->xa[h] = _mm512_srai_epi32(q, 14);
-    out->xb[h] = _mm512_and_si512(q, _mm512_set1_epi32(0x3FFF));
+    const __m512 v = _mm512_permutexvar_ps(perm, _mm512_castsi512_ps(h == 0 ? v0 : v1));
+    // round to nearest even (the default MXCSR), 2^23 saturated
+    out->x[h] = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, scale)), _mm512_set1_epi32(kDigitMax));
   }
   return true;
 }
 
+// The byte order (digit_byte_column) within each 16 columns.
+alignas(64) constexpr int32_t kByteOrder[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+
 // Rows [row0, row0 + rows) of x (rows <= 16) as one AMX group's blocks (DigitRows: groups). The
 // sum tiles' starting values come from the tile unit itself: the A tiles times a B tile of
 // bf16(-16) (exact: integers below 2^23 times a power of two), and Xb from them: (start_a +
-// start_b) / -16 is fma(sum XA, 2^14 u, (sum XB) u), the exact sum rounded once (+0 for 0).
+// start_b) / -16 is (sum X) u, the exact sum rounded once (+0 for 0).
 void build_group(const float* x, int64_t ldx, int rows, int64_t b0, int64_t b1, uint8_t* out, int64_t stride) {
   alignas(64) uint16_t minus16[16 * 32];
   for (uint16_t& v : minus16) v = 0xC180;  // bf16(-16)
   load_tile_config(rows);
   _tile_loadd(4, minus16, 64);
-  const __m512i hi7 = _mm512_set1_epi32(~127), lo7 = _mm512_set1_epi32(127);
+  const __m512i hi6 = _mm512_set1_epi32(~63), lo6 = _mm512_set1_epi32(63);
   const __m512i row_starts = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
   for (int64_t b = b0; b < b1; ++b) {
     uint8_t* g = out + (b - b0) * stride;
     __mmask16 nan_rows = 0;
     for (int r = 0; r < rows; ++r) {
       BlockDigits dg;
-      if (!block_digits(x + r * ldx + 32 * b, &dg)) {
+      if (!block_digits(x + r * ldx + 32 * b, kPairOrder, &dg)) {
         nan_rows |= static_cast<__mmask16>(1u << r);
         for (int s = 0; s < 4; ++s) _mm512_store_si512(g + 1024 * s + 64 * r, _mm512_setzero_si512());
         continue;
       }
-      const __m512 ua = _mm512_set1_ps(dg.u * 16384.0f), ub = _mm512_set1_ps(dg.u);
-      const __m512i digit[4][2] = {{_mm512_and_si512(dg.xa[0], hi7), _mm512_and_si512(dg.xa[1], hi7)},
-                                   {_mm512_and_si512(dg.xa[0], lo7), _mm512_and_si512(dg.xa[1], lo7)},
-                                   {_mm512_and_si512(dg.xb[0], hi7), _mm512_and_si512(dg.xb[1], hi7)},
-                                   {_mm512_and_si512(dg.xb[0], lo7), _mm512_and_si512(dg.xb[1], lo7)}};
+      const __m512 ua = _mm512_set1_ps(dg.u * 4096.0f), ub = _mm512_set1_ps(dg.u);
+      const __m512i xa[2] = {_mm512_srai_epi32(dg.x[0], 12), _mm512_srai_epi32(dg.x[1], 12)};
+      const __m512i xb[2] = {_mm512_and_si512(dg.x[0], _mm512_set1_epi32(4095)),
+                             _mm512_and_si512(dg.x[1], _mm512_set1_epi32(4095))};
+      const __m512i digit[4][2] = {{_mm512_and_si512(xa[0], hi6), _mm512_and_si512(xa[1], hi6)},
+                                   {_mm512_and_si512(xa[0], lo6), _mm512_and_si512(xa[1], lo6)},
+                                   {_mm512_and_si512(xb[0], hi6), _mm512_and_si512(xb[1], hi6)},
+                                   {_mm512_and_si512(xb[0], lo6), _mm512_and_si512(xb[1], lo6)}};
       for (int s = 0; s < 4; ++s) {
         const __m512 scale = s < 2 ? ua : ub;
         const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(digit[s][0]), scale);
@@ -435,28 +448,30 @@ void build_digit_blocks(const float* x, int64_t ldx, int64_t amx_end, int64_t b0
                 out + g * kDigitGroupBlockBytes, groups * kDigitGroupBlockBytes);
 }
 
-void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols, const DigitBuffers& out,
-                           int64_t row_begin) {
+void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols, uint8_t* out, int64_t row_begin) {
   const int64_t nb = cols / 32;
+  const __m512i byte = _mm512_set1_epi32(255);
   for (int64_t i = row_begin; i < m; ++i) {
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t at = (i - row_begin) * nb + b;
+      uint8_t* rec = out + ((i - row_begin) * nb + b) * kDigitRowBytes;
       BlockDigits dg;
-      if (!block_digits(x + i * ldx + 32 * b, &dg)) {
-        _mm512_storeu_si512(out.xa + at * 32, _mm512_setzero_si512());
-        _mm512_storeu_si512(out.xb + at * 32, _mm512_setzero_si512());
-        out.u[at] = 1.0f;
-        out.xs[at] = __builtin_nanf("");
-        continue;
+      float u = 1.0f, xs = __builtin_nanf("");
+      if (block_digits(x + i * ldx + 32 * b, kByteOrder, &dg)) {
+        for (int h = 0; h < 2; ++h) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + 16 * h), _mm512_cvtepi32_epi8(_mm512_srai_epi32(dg.x[h], 16)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + 32 + 16 * h),
+                           _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srli_epi32(dg.x[h], 8), byte)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + 64 + 16 * h),
+                           _mm512_cvtepi32_epi8(_mm512_and_si512(dg.x[h], byte)));
+        }
+        u = dg.u;
+        xs = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(dg.x[0], dg.x[1]))) * u;
+      } else {
+        _mm512_storeu_si512(rec, _mm512_setzero_si512());
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(rec + 64), _mm256_setzero_si256());
       }
-      for (int h = 0; h < 2; ++h) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.xa + at * 32 + 16 * h), _mm512_cvtepi32_epi16(dg.xa[h]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.xb + at * 32 + 16 * h), _mm512_cvtepi32_epi16(dg.xb[h]));
-      }
-      const float sa = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(dg.xa[0], dg.xa[1])));
-      const float sb = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(dg.xb[0], dg.xb[1])));
-      out.u[at] = dg.u;
-      out.xs[at] = __builtin_fmaf(sa, dg.u * 16384.0f, sb * dg.u);
+      __builtin_memcpy(rec + 96, &u, 4);
+      __builtin_memcpy(rec + 100, &xs, 4);
     }
   }
 }
