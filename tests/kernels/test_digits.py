@@ -1,4 +1,4 @@
-"""The digit form of the Q4_0 / Q4_1 / Q4_K products (backfill/kernels/csrc/digits.h): x on a 24-bit
+"""The digit form of the Q4_0 / Q4_1 / Q4_K / Q8_0 products (backfill/kernels/csrc/digits.h): x on a 24-bit
 fixed-point grid per 32-column block, exact integer sums, one rounding a block. Every kernel that
 computes it (the portable one, AVX-512 VNNI, the AMX tile unit where the CPU has one) gives the
 definition's bits, at every row count and thread count, so a process may switch kernels by row
@@ -24,10 +24,10 @@ from test_qgemm import assert_fp32_accurate, random_raw, reference  # noqa: E402
 ext = extension()
 pytestmark = pytest.mark.skipif(ext is None, reason="CPU kernels extension unavailable (no compiler, or disabled)")
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q4_K": 12}
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q8_0": 8}
 # (a last tile of 5 rows; K of 13 blocks, Q4_K's 24 sub-blocks)
 N, K = 101, 416
-SHAPES = {"Q4_0": (N, K), "Q4_1": (N, K), "Q4_K": (N, 768)}
+SHAPES = {"Q4_0": (N, K), "Q4_1": (N, K), "Q4_K": (N, 768), "Q8_0": (N, K)}
 MS = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 23, 24, 31, 32, 33, 40, 64, 65, 100, 350]
 ISAS = ["scalar", "avx2", "avx512"]
 
@@ -57,13 +57,17 @@ def digit_definition(raw: torch.Tensor, qtype: int, x: torch.Tensor) -> np.ndarr
     nb = k // 32
     blocks = raw.numpy().reshape(n, nb, -1)
     d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, nb]
-    if qtype == 3:
-        m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        qs = blocks[:, :, 4:20]
+    if qtype == 8:  # int8 codes, no offset
+        m = np.zeros_like(d)
+        codes = blocks[:, :, 2:34].copy().view(np.int8).astype(np.int64)  # [N, nb, 32]
     else:
-        m = d * np.float32(-8.0)
-        qs = blocks[:, :, 2:18]
-    codes = np.concatenate([qs & 0xF, qs >> 4], axis=2).astype(np.int64)  # [N, nb, 32]
+        if qtype == 3:
+            m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            qs = blocks[:, :, 4:20]
+        else:
+            m = d * np.float32(-8.0)
+            qs = blocks[:, :, 2:18]
+        codes = np.concatenate([qs & 0xF, qs >> 4], axis=2).astype(np.int64)  # [N, nb, 32]
     xb = x.numpy().reshape(x.shape[0], nb, 32)
     max_bits = (xb.view(np.uint32) & 0x7FFFFFFF).max(axis=2)  # [M, nb]
     e = (max_bits >> 23).astype(np.int64) - 127
@@ -81,7 +85,8 @@ def digit_definition(raw: torch.Tensor, qtype: int, x: torch.Tensor) -> np.ndarr
     y = np.zeros((x.shape[0], n), np.float32)
     for b in range(nb):
         y = fma32(s[:, :, b], d[None, :, b], y)
-        y = fma32(xs[:, b, None], m[None, :, b], y)
+        if qtype != 8:
+            y = fma32(xs[:, b, None], m[None, :, b], y)
     return y
 
 
@@ -105,7 +110,7 @@ def awkward_x(rows: int, seed: int, k: int = K) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])  # (Q4_K: against the portable kernel, below)
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])  # (Q4_K: against the portable kernel, below)
 def test_digit_form_is_its_definition(name: str, isa: str, digit_form: None) -> None:
     use_isa(isa)
     qtype, raw, packed = case(name, seed=3)
@@ -163,10 +168,11 @@ def test_digit_form_isas_threads_bias_and_accumulate_agree(name: str, digit_form
     assert torch.equal(first[-2], first[-1]), "accumulate"
 
 
-def test_digit_form_turns_non_finite_blocks_into_nan(digit_form: None) -> None:
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0"])
+def test_digit_form_turns_non_finite_blocks_into_nan(name: str, digit_form: None) -> None:
     """A block whose largest |x| is inf, NaN or 2^111 and up gives NaN (its sum would overflow the
     grid), as an overflowing fp32 sum would give inf or NaN; the other rows are untouched."""
-    qtype, _, packed = case("Q4_1")
+    qtype, _, packed = case(name)
     x = torch.randn(20, K)
     clean = ext.qlinear(x, packed, qtype, N, K)
     for value in (float("inf"), float("nan"), 2.0**111):
@@ -183,12 +189,12 @@ def test_digit_form_turns_non_finite_blocks_into_nan(digit_form: None) -> None:
 
 
 def test_digit_form_does_not_change_other_types(digit_form: None) -> None:
-    raw = random_raw(8, 37, 416, 0)  # Q8_0
-    packed = ext.repack(raw, 8, 416)
-    x = torch.randn(20, 416)
-    y = ext.qlinear(x, packed, 8, 37, 416)
+    raw = random_raw(14, 37, 512, 0)  # Q6_K
+    packed = ext.repack(raw, 14, 512)
+    x = torch.randn(20, 512)
+    y = ext.qlinear(x, packed, 14, 37, 512)
     ext.set_digit_form(False)
-    assert torch.equal(ext.qlinear(x, packed, 8, 37, 416), y)
+    assert torch.equal(ext.qlinear(x, packed, 14, 37, 512), y)
 
 
 @pytest.mark.skipif(ext is None or not ext.amx(), reason="no AMX tile unit in this process")

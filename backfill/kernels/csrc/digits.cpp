@@ -13,7 +13,8 @@
 
 namespace backfill {
 
-void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, uint8_t* out, int64_t row_begin) {
+void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, QType t, uint8_t* out,
+                    int64_t row_begin) {
   const int64_t nb = cols / 32;
   for (int64_t i = row_begin; i < m; ++i) {
     for (int64_t b = 0; b < nb; ++b) {
@@ -27,29 +28,34 @@ void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, uint8_
         max_bits = std::max(max_bits, bits & 0x7FFFFFFFu);
       }
       int e = 0;
-      float u = 1.0f, xs = NAN;
+      float u = NAN, xs = NAN;  // (a block that gives NaN: both)
+      int32_t sum2 = 0;
       if (digit_exponent(max_bits, &e)) {
         const float scale = digit_pow2(22 - e);
         u = digit_pow2(e - 22);
         int32_t sum = 0;
         for (int j = 0; j < 32; ++j) {
-          const int32_t v = std::min(static_cast<int32_t>(std::nearbyint(xb[digit_byte_column(j)] * scale)), kDigitMax);
+          const int32_t v = std::min(static_cast<int32_t>(std::nearbyint(xb[digit_column(t, j)] * scale)), kDigitMax);
           rec[j] = static_cast<uint8_t>(v >> 16);  // (int8)
           rec[32 + j] = static_cast<uint8_t>((v >> 8) & 255);
           rec[64 + j] = static_cast<uint8_t>(v & 255);
           sum += v;
+          sum2 += v >> 16;
         }
         xs = static_cast<float>(sum) * u;
       }
       std::memcpy(rec + 96, &u, 4);
       std::memcpy(rec + 100, &xs, 4);
+      std::memcpy(rec + 104, &sum2, 4);
     }
   }
 }
 
 void digits_gemm_scalar(const DigitJob& job) {
   const int64_t nb = job.x.nb;
-  // (amx_end 0: every row a record)
+  // (amx_end 0: every row a record; Q8_0's packed codes are q + 128, its m = -128 d unused)
+  const bool q8 = job.type == QType::Q8_0;
+  const int64_t offset = q8 ? kByteCodeOffset : 0;
   factored_reference(job, [&](int64_t i, const float* codes, const float* dw, const float* mw) {
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; ++b) {
@@ -57,13 +63,13 @@ void digits_gemm_scalar(const DigitJob& job) {
       int64_t c = 0;
       for (int j = 0; j < 32; ++j) {
         const int64_t v = static_cast<int8_t>(rec[j]) * 65536 + rec[32 + j] * 256 + rec[64 + j];
-        c += static_cast<int64_t>(codes[32 * b + digit_byte_column(j)]) * v;
+        c += (static_cast<int64_t>(codes[32 * b + digit_column(job.type, j)]) - offset) * v;
       }
       float u, xs;
       std::memcpy(&u, rec + 96, 4);
       std::memcpy(&xs, rec + 100, 4);
       acc = std::fma(static_cast<float>(c) * u, dw[b], acc);
-      acc = std::fma(xs, mw[b], acc);
+      if (!q8) acc = std::fma(xs, mw[b], acc);
     }
     return acc;
   });

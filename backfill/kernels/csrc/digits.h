@@ -1,4 +1,4 @@
-// The digit form of the 4-bit types' products (qgemm.h: digit_form; Q4_0, Q4_1, Q4_K): exact
+// The digit form of the block types' products (qgemm.h: digit_form; Q4_0, Q4_1, Q4_K, Q8_0): exact
 // integer sums that the AMX tile unit, AVX-512 VNNI and plain C++ all compute to the same bits at
 // any row count, so a process can run AMX from a group of 12-16 rows and vector integer dots below
 // them without breaking batch invariance. Measured first in scripts/amx_digits.cpp (BENCHMARKS.md,
@@ -16,7 +16,7 @@
 //   S  = round(c) u                      (the exact sum x q rounded once: an fp32 holds it)
 //   Xb = round(sum_k X[k]) u             (the block's sum of x, rounded once)
 //   y  = fma(S, d, y), then y = fma(Xb, m, y), over the blocks in order from +0
-// then y + bias, + the old y where accumulating (as TileJob's). x loses what the grid cannot hold
+// (Q8_0: q its int8 codes, |c| < 2^35, and y = fma(S, d, y) only), then y + bias, + the old y where accumulating (as TileJob's). x loses what the grid cannot hold
 // (below 2^-23 of the block's largest |x|: about the error of one fp32 rounding of the block's
 // sum), so the numbers differ from the fp32 chains of TileJob by about an fp32 rounding, within
 // its accuracy bound. A block whose largest |x| is not finite or reaches 2^(kDigitMaxExp + 1)
@@ -24,8 +24,12 @@
 //
 // The vector kernel (AVX-512 VNNI byte dots, int32 sums) takes X as three bytes, X = D2 2^16 +
 // D1 2^8 + D0 (D2 = X >> 16 signed, D1 and D0 unsigned): c = C2 2^16 + C1 2^8 + C0 with C the
-// codes' dots with each (exact: |C| < 2^17), rounded once as fma(A, 2^16 u, L u), A = C2 + (T >> 16)
-// and L = T & 0xFFFF for T = C1 2^8 + C0.
+// codes' dots with each (exact: |C| < 2^21), rounded once as fma(A, 2^16 u, L u), A = C2 + (T >> 16)
+// and L = T & 0xFFFF for T = C1 2^8 + C0. The 4-bit codes are the dots' unsigned operand against
+// D2 and their signed one against D1 and D0; Q8_0's packed bytes (q + 128) the unsigned one against
+// D2 (its sum started at -128 sum D2) and, their top bits flipped (q), the signed one against D1
+// and D0. Q8_0 has no AMX kernel (its 8-bit codes leave no room for bf16 digit pairs; on the
+// AMX-INT8 unit three sum tiles a block ran no faster than these dots).
 // The AMX kernel (tile dot products of bf16 pairs, fp32 sums) holds XA = X >> 12 (signed) and XB =
 // X & 4095 as 6-bit digits (exact in bf16), times 2^12 u and u, against the codes as bf16(16 +
 // q), its sum tiles started at -16 (sum XA) 2^12 u and -16 (sum XB) u: every partial sum is an
@@ -41,7 +45,11 @@ namespace backfill {
 // The types the digit form computes: Q4_0, Q4_1 and Q4_K (nibble words, 32-column blocks or
 // sub-blocks; Q4_K's d and m those of a sub-block, its 6-bit scale and min applied, as
 // factored_row_ref gives them).
-inline bool digit_type(QType t) { return t == QType::Q4_0 || t == QType::Q4_1 || t == QType::Q4_K; }
+inline bool digit_type(QType t) {
+  return t == QType::Q4_0 || t == QType::Q4_1 || t == QType::Q4_K || t == QType::Q8_0;
+}
+// Those the AMX kernel runs (the nibble words).
+inline bool digit_amx_type(QType t) { return t != QType::Q8_0 && digit_type(t); }
 
 constexpr int kDigitMinExp = -99;
 constexpr int kDigitMaxExp = 110;
@@ -53,14 +61,16 @@ constexpr int kDigitMaxExp = 110;
 constexpr int digit_pair_column(int j) { return 8 * (j / 8) + (j / 2) % 4 + 4 * (j % 2); }
 // Element j of a block's 32 in byte order holds column digit_byte_column(j): quad j / 4 = 2 w + h
 // holds columns 8 w + h, 8 w + h + 2, 8 w + h + 4, 8 w + h + 6, the four bytes of a 32-bit lane of
-// nibble word w after one and (h = 0) or a shift and an and (h = 1); the VNNI kernel's digits.
+// nibble word w after one and (h = 0) or a shift and an and (h = 1); the VNNI kernel's digits
+// (Q8_0's in column order: a byte word's lane holds 4 consecutive columns).
 constexpr int digit_byte_column(int j) { return 8 * (j / 8) + (j / 4) % 2 + 2 * (j % 4); }
+inline int digit_column(QType t, int j) { return t == QType::Q8_0 ? j : digit_byte_column(j); }
 // X's largest value (2^23 rounds down to it).
 constexpr int32_t kDigitMax = (1 << 23) - 1;
 
 // x prepared. Rows [amx_end, m), per row i and block b a record of kDigitRowBytes at rows + ((i -
-// amx_end) nb + b) kDigitRowBytes: D2 [32] int8, D1 [32] uint8, D0 [32] uint8 (byte order), u, Xb
-// (fp32). Rows [0, amx_end) in groups of 16 for the AMX kernel instead (the last one fewer), per
+// amx_end) nb + b) kDigitRowBytes: D2 [32] int8, D1 [32] uint8, D0 [32] uint8 (digit_column order),
+// u, Xb (fp32), sum D2 (int32). Rows [0, amx_end) in groups of 16 for the AMX kernel instead (the last one fewer), per
 // group and block kDigitGroupBlockBytes: the 4 A tiles (1 KB each: 16 rows x 32 bf16 in pair
 // order, XA's high and low 6 bits times 2^12 u, XB's times u), the two sum tiles' starting values
 // (1 KB each: -16 (sum XA) 2^12 u and -16 (sum XB) u in every column of a row), the 16 rows' Xb
@@ -99,10 +109,12 @@ inline float digit_pow2(int n) {
   return f;
 }
 
-// Rows [row_begin, m) of x (row stride ldx, cols % 32 == 0) in the digit form, as records
-// (DigitRows: rows) at out.
-void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, uint8_t* out, int64_t row_begin);  // digits.cpp
-void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols, uint8_t* out, int64_t row_begin);
+// Rows [row_begin, m) of x (row stride ldx, cols % 32 == 0) in the digit form for weights of type
+// t, as records (DigitRows: rows) at out.
+void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, QType t, uint8_t* out,
+                    int64_t row_begin);  // digits.cpp
+void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols, QType t, uint8_t* out,
+                           int64_t row_begin);
 // Blocks [b0, b1) of every group of rows [0, amx_end) (16 rows each, the last one fewer) as AMX
 // group blocks (DigitRows), block b of group g at out + ((b - b0) groups + g) kDigitGroupBlockBytes
 // (amx_ready() only).

@@ -118,13 +118,13 @@ DigitRows prepare_x_digits(const float* x, int64_t m, int64_t ldx, int64_t cols,
   thread_local std::vector<uint8_t> rows_buf, group_buf[3];
   thread_local std::vector<const uint8_t*> group_at;
   const bool fast = digit_kernels_fast();
-  const int64_t nb = cols / 32, amx_end = fast ? digit_amx_end(m, amx_min_rows()) : 0;
+  const int64_t nb = cols / 32, amx_end = fast && digit_amx_type(w.type) ? digit_amx_end(m, amx_min_rows()) : 0;
   const int64_t groups = (amx_end + 15) / 16;
   const int64_t rows_bytes = (m - amx_end) * nb * kDigitRowBytes + 64;
   if (static_cast<int64_t>(rows_buf.size()) < rows_bytes) rows_buf.resize(static_cast<size_t>(rows_bytes));
   uint8_t* records = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(rows_buf.data()) + 63) & ~uintptr_t{63});
-  if (fast) prepare_digits_avx512(x, m, ldx, cols, records, amx_end);
-  else prepare_digits(x, m, ldx, cols, records, amx_end);
+  if (fast) prepare_digits_avx512(x, m, ldx, cols, w.type, records, amx_end);
+  else prepare_digits(x, m, ldx, cols, w.type, records, amx_end);
   DigitRows rows{records, m, nb};
   rows.amx_end = amx_end;
   if (groups == 0) return rows;
@@ -310,7 +310,7 @@ void set_digit_form(bool on) { g_digits.store(on ? 1 : 0, std::memory_order_rele
 bool amx_active() { return use_digit_form() && digit_kernels_fast() && amx_min_rows() > 0; }
 int64_t amx_group_rows(const PackedMatrix& w) {
   const bool q8 = w.q8_activations && q8_activation_type(w.type);
-  return !q8 && digit_type(w.type) && amx_active() ? amx_min_rows() : 0;
+  return !q8 && digit_amx_type(w.type) && amx_active() ? amx_min_rows() : 0;
 }
 
 const char* q8_isa() { return q8_kernels().gemm == q8_gemm_avx512vnni ? "avx512vnni" : active_isa(); }

@@ -22,17 +22,22 @@ namespace {
 // The pair order (digit_pair_column) within each 16 columns: element j takes column kPairOrder[j].
 alignas(64) constexpr int32_t kPairOrder[16] = {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15};
 
-// Where block b (32 columns) of `tile` keeps its 16 rows' codes (4 nibble words), and its scale d
-// and offset m (Q4_K: sub-block b % 8 of super-block b / 8, its 6-bit scale and min applied).
+// Where block b (32 columns) of `tile` keeps its 16 rows' codes (4 nibble words; Q8_0: 8 byte
+// words), and its scale d and offset m (Q4_K: sub-block b % 8 of super-block b / 8, its 6-bit scale
+// and min applied; Q8_0: none).
 template <QType T>
 DG_AI const uint8_t* digit_codes(const uint8_t* tile, int64_t b) {
   if constexpr (T == QType::Q4_K) return tile + b / 8 * kQ4_KTileBlockBytes + tile_off::kQ4_KQs + 4 * 64 * (b % 8);
+  else if constexpr (T == QType::Q8_0) return tile + b * kTileRows * block_bytes(T) + tile_off::kQ8_0Qs;
   else return tile + b * kTileRows * block_bytes(T) + (T == QType::Q4_1 ? tile_off::kQ4_1Qs : tile_off::kQ4_0Qs);
 }
 template <QType T>
 DG_AI void digit_scales(const uint8_t* tile, int64_t b, VF* d, VF* m) {
   if constexpr (T == QType::Q4_K) {
     DqQ4_K<false>::scales(tile + b / 8 * kQ4_KTileBlockBytes, static_cast<int>(b % 8), d, m);
+  } else if constexpr (T == QType::Q8_0) {
+    *d = vf_load_f16(tile + b * kTileRows * block_bytes(T));
+    *m = vf_zero();
   } else {
     const uint8_t* blk = tile + b * kTileRows * block_bytes(T);
     *d = vf_load_f16(blk);
@@ -55,10 +60,12 @@ DG_AI int32_t load_i32(const uint8_t* p) {
   return v;
 }
 
-// Rows [row0, row0 + MR) against tiles [tile0, tile0 + NT) with vpdpbusd: a nibble word's lane
-// gives 4 codes as bytes by one and (its even columns) or a shift and an and (odd), dotted with
-// x's D2 (signed: the codes the unsigned operand) and D1, D0 (unsigned: the codes the signed one)
-// of those columns. Prefetching as q8_block does.
+// Rows [row0, row0 + MR) against tiles [tile0, tile0 + NT) with vpdpbusd, 8 quads of columns a
+// block: a nibble word's lane gives 4 codes as bytes by one and (its even columns) or a shift and
+// an and (odd), dotted with x's D2 (signed: the codes the unsigned operand) and D1, D0 (unsigned:
+// the codes the signed one) of those columns; a byte word's lane is 4 codes q + 128 (unsigned,
+// against D2, the sum started at -128 sum D2) and, its top bits flipped, q (signed, against D1 and
+// D0). Prefetching as q8_block does.
 template <QType T, int MR, int NT>
 __attribute__((noinline)) void digit_block(const DigitJob& job, int64_t row0, int64_t tile0, bool lead,
                                            SideCursor& side) {
@@ -69,7 +76,8 @@ __attribute__((noinline)) void digit_block(const DigitJob& job, int64_t row0, in
   DG_UNROLL for (int t = 0; t < NT; ++t) tiles[t] = job.w + (tile0 + t) * tb;
   VF y[MR][NT];
   DG_UNROLL for (int i = 0; i < MR; ++i) DG_UNROLL for (int t = 0; t < NT; ++t) y[i][t] = vf_zero();
-  const __m512i mask = _mm512_set1_epi32(0x0F0F0F0F);
+  constexpr bool kBytes = T == QType::Q8_0;
+  const __m512i mask = _mm512_set1_epi32(0x0F0F0F0F), flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
   for (int64_t b = 0; b < nb; ++b) {
     if (lead) prefetch_chunk<NT>(job, tile0, b + kFusedPrefetchChunks, nb, tb, cb);
     side.burst();
@@ -79,25 +87,32 @@ __attribute__((noinline)) void digit_block(const DigitJob& job, int64_t row0, in
     __m512i c2[MR][NT], c1[MR][NT], c0[MR][NT];
     DG_UNROLL for (int i = 0; i < MR; ++i) {
       rec[i] = job.x.rows + ((row0 + i - job.x.amx_end) * nb + b) * kDigitRowBytes;
-      DG_UNROLL for (int t = 0; t < NT; ++t) c2[i][t] = c1[i][t] = c0[i][t] = _mm512_setzero_si512();
+      const __m512i start = kBytes ? _mm512_set1_epi32(-128 * load_i32(rec[i] + 104)) : _mm512_setzero_si512();
+      DG_UNROLL for (int t = 0; t < NT; ++t) {
+        c2[i][t] = start;
+        c1[i][t] = c0[i][t] = _mm512_setzero_si512();
+      }
     }
-    DG_UNROLL for (int w = 0; w < 4; ++w) {
-      __m512i v[NT];
-      DG_UNROLL for (int t = 0; t < NT; ++t) v[t] = _mm512_loadu_si512(codes[t] + 64 * w);
-      DG_UNROLL for (int h = 0; h < 2; ++h) {
-        __m512i code[NT];
-        DG_UNROLL for (int t = 0; t < NT; ++t)
-          code[t] = _mm512_and_si512(h == 0 ? v[t] : _mm512_srli_epi32(v[t], 4), mask);
-        DG_UNROLL for (int i = 0; i < MR; ++i) {
-          const int64_t at = 8 * w + 4 * h;
-          const __m512i b2 = _mm512_set1_epi32(load_i32(rec[i] + at));
-          const __m512i b1 = _mm512_set1_epi32(load_i32(rec[i] + 32 + at));
-          const __m512i b0 = _mm512_set1_epi32(load_i32(rec[i] + 64 + at));
-          DG_UNROLL for (int t = 0; t < NT; ++t) {
-            c2[i][t] = _mm512_dpbusd_epi32(c2[i][t], code[t], b2);
-            c1[i][t] = _mm512_dpbusd_epi32(c1[i][t], b1, code[t]);
-            c0[i][t] = _mm512_dpbusd_epi32(c0[i][t], b0, code[t]);
-          }
+    __m512i v[NT];
+    DG_UNROLL for (int p = 0; p < 8; ++p) {
+      __m512i ucode[NT], scode[NT];  // (the dots' unsigned and signed operands)
+      DG_UNROLL for (int t = 0; t < NT; ++t) {
+        if constexpr (kBytes) {
+          ucode[t] = _mm512_loadu_si512(codes[t] + 64 * p);
+          scode[t] = _mm512_xor_si512(ucode[t], flip);
+        } else {
+          if (p % 2 == 0) v[t] = _mm512_loadu_si512(codes[t] + 32 * p);
+          ucode[t] = scode[t] = _mm512_and_si512(p % 2 == 0 ? v[t] : _mm512_srli_epi32(v[t], 4), mask);
+        }
+      }
+      DG_UNROLL for (int i = 0; i < MR; ++i) {
+        const __m512i b2 = _mm512_set1_epi32(load_i32(rec[i] + 4 * p));
+        const __m512i b1 = _mm512_set1_epi32(load_i32(rec[i] + 32 + 4 * p));
+        const __m512i b0 = _mm512_set1_epi32(load_i32(rec[i] + 64 + 4 * p));
+        DG_UNROLL for (int t = 0; t < NT; ++t) {
+          c2[i][t] = _mm512_dpbusd_epi32(c2[i][t], ucode[t], b2);
+          c1[i][t] = _mm512_dpbusd_epi32(c1[i][t], b1, scode[t]);
+          c0[i][t] = _mm512_dpbusd_epi32(c0[i][t], b0, scode[t]);
         }
       }
     }
@@ -108,8 +123,10 @@ __attribute__((noinline)) void digit_block(const DigitJob& job, int64_t row0, in
       __builtin_memcpy(&u, rec[i] + 96, 4);
       __builtin_memcpy(&xs, rec[i] + 100, 4);
       const VF xsv = vf_set1(xs);
-      DG_UNROLL for (int t = 0; t < NT; ++t)
-        y[i][t] = vf_fma(m[t], xsv, vf_fma(VF{digit_sum(c2[i][t], c1[i][t], c0[i][t], u)}, d[t], y[i][t]));
+      DG_UNROLL for (int t = 0; t < NT; ++t) {
+        y[i][t] = vf_fma(VF{digit_sum(c2[i][t], c1[i][t], c0[i][t], u)}, d[t], y[i][t]);
+        if constexpr (!kBytes) y[i][t] = vf_fma(m[t], xsv, y[i][t]);
+      }
     }
   }
   store_acc<MR, NT>(y, job, row0, tile0);
@@ -328,7 +345,9 @@ void run_digits(const DigitJob& job) {
   const int64_t m = job.x.m, tiles = job.tile_end - job.tile_begin, nb = job.x.nb, amx_end = job.x.amx_end;
   SideCursor side;
   side.start(job.side, job.side_begin, job.side_end, (amx_end + 15) / 16 * tiles * nb + vnni_bursts(m - amx_end, tiles, nb));
-  if (amx_end > 0) amx_rows<T>(job, 0, amx_end, side);
+  if constexpr (T != QType::Q8_0) {  // (prepare_x_digits gives Q8_0 no AMX rows)
+    if (amx_end > 0) amx_rows<T>(job, 0, amx_end, side);
+  }
   if (amx_end < m) {
     // rows in chunks (~256 KB of x's records kept in L2 while the tiles pass over them)
     const int64_t per = (int64_t{1} << 18) / (nb * kDigitRowBytes), chunk = per > kDigitMR ? per : kDigitMR;
@@ -361,6 +380,7 @@ DG_AI bool block_digits(const float* x, const int32_t* order, BlockDigits* out) 
 
 // The byte order (digit_byte_column) within each 16 columns.
 alignas(64) constexpr int32_t kByteOrder[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+alignas(64) constexpr int32_t kColumnOrder[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 // Rows [row0, row0 + rows) of x (rows <= 16) as one AMX group's blocks (DigitRows: groups). The
 // sum tiles' starting values come from the tile unit itself: the A tiles times a B tile of
@@ -448,17 +468,22 @@ void build_digit_blocks(const float* x, int64_t ldx, int64_t amx_end, int64_t b0
                 out + g * kDigitGroupBlockBytes, groups * kDigitGroupBlockBytes);
 }
 
-void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols, uint8_t* out, int64_t row_begin) {
+void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols, QType t, uint8_t* out,
+                           int64_t row_begin) {
   const int64_t nb = cols / 32;
   const __m512i byte = _mm512_set1_epi32(255);
+  const int32_t* order = t == QType::Q8_0 ? kColumnOrder : kByteOrder;
   for (int64_t i = row_begin; i < m; ++i) {
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* rec = out + ((i - row_begin) * nb + b) * kDigitRowBytes;
       BlockDigits dg;
-      float u = 1.0f, xs = __builtin_nanf("");
-      if (block_digits(x + i * ldx + 32 * b, kByteOrder, &dg)) {
+      float u = __builtin_nanf(""), xs = __builtin_nanf("");  // (a block that gives NaN: both)
+      int32_t sum2 = 0;
+      if (block_digits(x + i * ldx + 32 * b, order, &dg)) {
+        __m512i d2[2];
         for (int h = 0; h < 2; ++h) {
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + 16 * h), _mm512_cvtepi32_epi8(_mm512_srai_epi32(dg.x[h], 16)));
+          d2[h] = _mm512_srai_epi32(dg.x[h], 16);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + 16 * h), _mm512_cvtepi32_epi8(d2[h]));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + 32 + 16 * h),
                            _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srli_epi32(dg.x[h], 8), byte)));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + 64 + 16 * h),
@@ -466,12 +491,14 @@ void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols,
         }
         u = dg.u;
         xs = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(dg.x[0], dg.x[1]))) * u;
+        sum2 = _mm512_reduce_add_epi32(_mm512_add_epi32(d2[0], d2[1]));
       } else {
         _mm512_storeu_si512(rec, _mm512_setzero_si512());
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(rec + 64), _mm256_setzero_si256());
       }
       __builtin_memcpy(rec + 96, &u, 4);
       __builtin_memcpy(rec + 100, &xs, 4);
+      __builtin_memcpy(rec + 104, &sum2, 4);
     }
   }
 }
@@ -480,6 +507,7 @@ void digits_gemm_avx512(const DigitJob& job) {
   if (job.type == QType::Q4_1) run_digits<QType::Q4_1>(job);
   else if (job.type == QType::Q4_0) run_digits<QType::Q4_0>(job);
   else if (job.type == QType::Q4_K) run_digits<QType::Q4_K>(job);
+  else if (job.type == QType::Q8_0) run_digits<QType::Q8_0>(job);
 }
 
 }  // namespace backfill
