@@ -12,7 +12,7 @@ def main() -> int:
     codes = "as subnormal floats" if module.subnormal_codes() else "converted to floats"
     form = ""
     if module.digit_form():
-        form = "; Q4_0/Q4_1/Q4_K in the digit form" + (", on the AMX tile unit" if module.amx() else "")
+        form = "; Q4_0/Q4_1/Q4_K/Q8_0 in the digit form" + (", on the AMX tile unit" if module.amx() else "")
     print(f"backfill CPU kernels built; this CPU runs the {module.isa()} kernels (4-bit codes {codes}{form})")
     return 0
 

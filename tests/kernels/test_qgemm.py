@@ -82,7 +82,7 @@ def restore_subnormal() -> Iterator[None]:
 
 @pytest.fixture
 def fp32_chains() -> Iterator[None]:
-    """The Q4_0 / Q4_1 / Q4_K products as TileJob's fp32 chains, not in the digit form (digits.h), which
+    """The Q4_0 / Q4_1 / Q4_K / Q8_0 products as TileJob's fp32 chains, not in the digit form (digits.h), which
     is on by default where the CPU has AMX."""
     before = ext.digit_form()
     ext.set_digit_form(False)

@@ -245,9 +245,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("name"));
   namespace py = pybind11;
   m.def("digit_form", &backfill::digit_form,
-        "whether Q4_0 / Q4_1 / Q4_K products run in the digit form (exact integer sums a block; AMX where the CPU has it)");
+        "whether Q4_0 / Q4_1 / Q4_K / Q8_0 products run in the digit form (exact integer sums a block; AMX where the CPU has it)");
   m.def("set_digit_form", &backfill::set_digit_form,
-        "tests / benchmarks: compute Q4_0 / Q4_1 / Q4_K products in the digit form (True) or as fp32 chains (False) from now on",
+        "tests / benchmarks: compute Q4_0 / Q4_1 / Q4_K / Q8_0 products in the digit form (True) or as fp32 chains (False) from now on",
         pybind11::arg("on"));
   m.def("amx", &backfill::amx_active, "whether the digit form runs on the AMX tile unit in this process");
   m.def("subnormal_codes", &backfill::subnormal_codes,
