@@ -309,8 +309,11 @@ bool digit_form() { return use_digit_form(); }
 void set_digit_form(bool on) { g_digits.store(on ? 1 : 0, std::memory_order_release); }
 bool amx_active() { return use_digit_form() && digit_kernels_fast() && amx_min_rows() > 0; }
 int64_t amx_group_rows(const PackedMatrix& w) {
+  return digit_form_runs(w) && digit_amx_type(w.type) && amx_active() ? amx_min_rows() : 0;
+}
+bool digit_form_runs(const PackedMatrix& w) {
   const bool q8 = w.q8_activations && q8_activation_type(w.type);
-  return !q8 && digit_amx_type(w.type) && amx_active() ? amx_min_rows() : 0;
+  return !q8 && digit_type(w.type) && use_digit_form();
 }
 
 const char* q8_isa() { return q8_kernels().gemm == q8_gemm_avx512vnni ? "avx512vnni" : active_isa(); }

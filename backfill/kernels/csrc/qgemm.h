@@ -71,6 +71,8 @@ bool amx_active();
 // The fewest rows packed_gemm runs w's products with on the AMX tile unit (a group of up to 16),
 // or 0 where it never does (another type or form, int8 activations, no AMX).
 int64_t amx_group_rows(const PackedMatrix& w);
+// Whether packed_gemm computes w's products in the digit form.
+bool digit_form_runs(const PackedMatrix& w);
 
 // Whether this CPU runs the int8-activation kernels with VNNI ("avx512vnni") or without
 // ("avx2", "scalar"): the numbers are the same.
