@@ -355,8 +355,9 @@ void run_digits(const DigitJob& job) {
   }
 }
 
-// One row-block of x on the grid (digits.h): X of its 32 columns in pair order (16 a half), or
-// false where the block gives NaN.
+// One row-block of x on the grid (digits.h): X of its 32 columns in `order` within each half of 16
+// (kPairOrder: the AMX tiles'; kByteOrder, kColumnOrder: the records' of the nibble and byte words),
+// or false where the block gives NaN.
 struct BlockDigits {
   __m512i x[2];
   float u;
