@@ -218,8 +218,8 @@ def test_amx_rows_setting_never_changes_the_numbers() -> None:
 
 
 def test_digit_form_is_on_by_default_exactly_where_the_tile_unit_runs() -> None:
-    """With no setting, a process computes Q4_0 / Q4_1 / Q4_K / Q8_0 in the digit form (the 4-bit types on the tile
-    unit) where the CPU and OS run AMX (as a process that asks for the form finds), and in the fp32 chains elsewhere."""
+    """With no setting, a process computes Q4_0 / Q4_1 / Q4_K / Q8_0 in the digit form on the tile unit where the
+    CPU and OS run AMX (as a process that asks for the form finds), and in the fp32 chains elsewhere."""
     code = "from backfill.kernels import extension; ext = extension(); print(ext.digit_form(), ext.amx())"
     env = {k: v for k, v in os.environ.items() if k not in ("BACKFILL_DIGITS", "BACKFILL_AMX_ROWS", "BACKFILL_ISA")}
     default = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()

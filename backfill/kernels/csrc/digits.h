@@ -28,14 +28,15 @@
 // and L = T & 0xFFFF for T = C1 2^8 + C0. The 4-bit codes are the dots' unsigned operand against
 // D2 and their signed one against D1 and D0; Q8_0's packed bytes (q + 128) the unsigned one against
 // D2 (its sum started at -128 sum D2) and, their top bits flipped (q), the signed one against D1
-// and D0. Q8_0 has no AMX kernel (its 8-bit codes leave no room for bf16 digit pairs; on the
-// AMX-INT8 unit three sum tiles a block ran no faster than these dots).
+// and D0.
 // The AMX kernel (tile dot products of bf16 pairs, fp32 sums) holds XA = X >> 12 (signed) and XB =
 // X & 4095 as 6-bit digits (exact in bf16), times 2^12 u and u, against the codes as bf16(16 +
-// q), its sum tiles started at -16 (sum XA) 2^12 u and -16 (sum XB) u: every partial sum is an
+// q), its sum tiles started at -16 (sum XA) 2^12 u and -16 (sum XB) u (Q8_0: the codes as bf16(q),
+// the sums started at 0; |q| <= 128 keeps them below 2^24 units too): every partial sum is an
 // integer below 2^24 times a power of two, so any summation order gives the same bits, the two
 // tiles' sum is c u rounded once, and u >= 2^-121 keeps every value normal (the unit flushes
-// subnormals).
+// subnormals). (Q8_0 on the AMX-INT8 unit instead, byte digits against the packed bytes as they
+// are: three int32 sum tiles a block to store and fold, no faster than the vector dots.)
 #pragma once
 
 #include "packed.h"
@@ -48,8 +49,6 @@ namespace backfill {
 inline bool digit_type(QType t) {
   return t == QType::Q4_0 || t == QType::Q4_1 || t == QType::Q4_K || t == QType::Q8_0;
 }
-// Those the AMX kernel runs (the nibble words).
-inline bool digit_amx_type(QType t) { return t != QType::Q8_0 && digit_type(t); }
 
 constexpr int kDigitMinExp = -99;
 constexpr int kDigitMaxExp = 110;
@@ -70,11 +69,12 @@ constexpr int32_t kDigitMax = (1 << 23) - 1;
 
 // x prepared. Rows [amx_end, m), per row i and block b a record of kDigitRowBytes at rows + ((i -
 // amx_end) nb + b) kDigitRowBytes: D2 [32] int8, D1 [32] uint8, D0 [32] uint8 (digit_column order),
-// u, Xb (fp32), sum D2 (int32). Rows [0, amx_end) in groups of 16 for the AMX kernel instead (the last one fewer), per
-// group and block kDigitGroupBlockBytes: the 4 A tiles (1 KB each: 16 rows x 32 bf16 in pair
-// order, XA's high and low 6 bits times 2^12 u, XB's times u), the two sum tiles' starting values
-// (1 KB each: -16 (sum XA) 2^12 u and -16 (sum XB) u in every column of a row), the 16 rows' Xb
-// (0 past the group's rows).
+// u, Xb (fp32), sum D2 (int32). Rows [0, amx_end) in groups of 16 for the AMX kernel instead (the
+// last one fewer), per group and block kDigitGroupBlockBytes: the 4 A tiles (1 KB each: 16 rows x
+// 32 bf16 in pair order (Q8_0: column order), XA's high and low 6 bits times 2^12 u, XB's times u),
+// the two sum tiles' starting values (1 KB each: -16 (sum XA) 2^12 u and -16 (sum XB) u in every
+// column of a row; Q8_0: 0), the 16 rows' Xb (0 past the group's rows; Q8_0: 0, NaN for a block
+// that gives NaN, which its m = 0 carries into y).
 constexpr int64_t kDigitRowBytes = 128;
 constexpr int64_t kDigitGroupBlockBytes = 6 * 1024 + 64;
 struct DigitRows {
@@ -118,7 +118,7 @@ void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols,
 // Blocks [b0, b1) of every group of rows [0, amx_end) (16 rows each, the last one fewer) as AMX
 // group blocks (DigitRows), block b of group g at out + ((b - b0) groups + g) kDigitGroupBlockBytes
 // (amx_ready() only).
-void build_digit_blocks(const float* x, int64_t ldx, int64_t amx_end, int64_t b0, int64_t b1, uint8_t* out);
+void build_digit_blocks(const float* x, int64_t ldx, int64_t amx_end, int64_t b0, int64_t b1, QType t, uint8_t* out);
 
 // One job of the digit-form GEMM (digit_type types only).
 using DigitJob = PreparedJob<DigitRows>;

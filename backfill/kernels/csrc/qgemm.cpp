@@ -118,7 +118,7 @@ DigitRows prepare_x_digits(const float* x, int64_t m, int64_t ldx, int64_t cols,
   thread_local std::vector<uint8_t> rows_buf, group_buf[3];
   thread_local std::vector<const uint8_t*> group_at;
   const bool fast = digit_kernels_fast();
-  const int64_t nb = cols / 32, amx_end = fast && digit_amx_type(w.type) ? digit_amx_end(m, amx_min_rows()) : 0;
+  const int64_t nb = cols / 32, amx_end = fast ? digit_amx_end(m, amx_min_rows()) : 0;
   const int64_t groups = (amx_end + 15) / 16;
   const int64_t rows_bytes = (m - amx_end) * nb * kDigitRowBytes + 64;
   if (static_cast<int64_t>(rows_buf.size()) < rows_bytes) rows_buf.resize(static_cast<size_t>(rows_bytes));
@@ -146,10 +146,10 @@ DigitRows prepare_x_digits(const float* x, int64_t m, int64_t ldx, int64_t cols,
     uint8_t* base = own(group_buf[2], groups * nb);
     if (team == nullptr)
       at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-        build_digit_blocks(x, ldx, amx_end, b0, b1, base + b0 * groups * kDigitGroupBlockBytes);
+        build_digit_blocks(x, ldx, amx_end, b0, b1, w.type, base + b0 * groups * kDigitGroupBlockBytes);
       });
     else
-      build_digit_blocks(x, ldx, amx_end, 0, nb, base);
+      build_digit_blocks(x, ldx, amx_end, 0, nb, w.type, base);
     point(base, 0, nb);
   } else {
     // each thread its share of the blocks (of every group), in its own memory
@@ -157,7 +157,7 @@ DigitRows prepare_x_digits(const float* x, int64_t m, int64_t ldx, int64_t cols,
     const int64_t parity = shared_at.calls[team->index]++ % 2;
     const auto [b0, b1] = team->share(nb, 1);
     uint8_t* base = own(group_buf[parity], (b1 > b0 ? b1 - b0 : 0) * groups);
-    build_digit_blocks(x, ldx, amx_end, b0, b1, base);
+    build_digit_blocks(x, ldx, amx_end, b0, b1, w.type, base);
     shared_at.parts[parity][team->index] = base;
     const uint8_t *ahead = nullptr, *ahead_end = nullptr;
     packed_gemm_share(w, m, *team, &ahead, &ahead_end);
@@ -309,7 +309,7 @@ bool digit_form() { return use_digit_form(); }
 void set_digit_form(bool on) { g_digits.store(on ? 1 : 0, std::memory_order_release); }
 bool amx_active() { return use_digit_form() && digit_kernels_fast() && amx_min_rows() > 0; }
 int64_t amx_group_rows(const PackedMatrix& w) {
-  return digit_form_runs(w) && digit_amx_type(w.type) && amx_active() ? amx_min_rows() : 0;
+  return digit_form_runs(w) && amx_active() ? amx_min_rows() : 0;
 }
 bool digit_form_runs(const PackedMatrix& w) {
   const bool q8 = w.q8_activations && q8_activation_type(w.type);

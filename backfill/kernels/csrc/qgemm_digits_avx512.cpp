@@ -179,9 +179,10 @@ int64_t vnni_bursts(int64_t rows, int64_t tiles, int64_t nb) {
 // AMX: per group of up to 16 rows, its blocks as build_group prepared them (DigitRows: groups);
 // per chunk of up to kAmxChunk tiles (a job's tiles cut into equal chunks), blocks outer (the
 // group's 4 A tiles stay in tile registers), tiles inner: the tile block's codes converted to
-// bf16(16 + q) (one shift and one ternary logic per 8 columns: 16 + q's bf16 is 0x4180 | q << 3)
-// kConvAhead tile blocks ahead into a ring, 4 TDPBF16PS into two sum tiles started from the
-// group's values, stored and folded into y kFoldLag tile blocks later. Tiles: 0-3 A, 4 and 7 B
+// bf16(16 + q) (one shift and one ternary logic per 8 columns: 16 + q's bf16 is 0x4180 | q << 3;
+// Q8_0's to bf16(q), ~4 operations a column of 16: convert_codes8) kConvAhead tile blocks ahead into
+// a ring, 4 TDPBF16PS into two sum tiles started from the group's values, stored and folded into y
+// kFoldLag tile blocks later. Tiles: 0-3 A, 4 and 7 B
 // (alternating), 5 and 6 the sums. (A 2-core Sapphire Rapids Xeon, a Q4_1 [3072, 576] at 16 and
 // 32 rows from memory: 8 tiles a chunk 1.22-1.25x the FMA kernels' speed, 12-24 1.35-1.41x.)
 
@@ -222,6 +223,25 @@ uint8_t* amx_scratch(int64_t bytes) {
     __builtin_memset(buf, 0, static_cast<size_t>(cap));  // (a partial group's sum rows past its own are read, never stored)
   }
   return buf;
+}
+
+// Q8_0's tile block codes as the B tile: row p holds the 16 rows' pairs (q of columns 2 p, 2 p + 1)
+// as bf16: a byte word's lane (4 columns, q + 128) gives rows 2 w and 2 w + 1 by its top bits
+// flipped, each byte sign-extended and converted to fp32 (exact: 8 bits), and each pair's upper
+// halves (the bf16, exactly) merged into a lane.
+DG_AI void convert_codes8(const uint8_t* qs, uint16_t* out) {
+  const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
+  const __m512i upper = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  DG_UNROLL for (int w = 0; w < 8; ++w) {
+    const __m512i s = _mm512_xor_si512(_mm512_loadu_si512(qs + 64 * w), flip);
+    const __m512i f0 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(s, 24), 24)));
+    const __m512i f1 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(s, 16), 24)));
+    const __m512i f2 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(s, 8), 24)));
+    const __m512i f3 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srai_epi32(s, 24)));
+    // (ternary logic 0xEA: (a & b) | c)
+    _mm512_store_si512(out + 32 * (2 * w), _mm512_ternarylogic_epi32(f1, upper, _mm512_srli_epi32(f0, 16), 0xEA));
+    _mm512_store_si512(out + 32 * (2 * w + 1), _mm512_ternarylogic_epi32(f3, upper, _mm512_srli_epi32(f2, 16), 0xEA));
+  }
 }
 
 // One tile block's codes as the B tile: row p = 4 w + c holds the 16 rows' pairs (16 + q of
@@ -271,14 +291,16 @@ void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
         const int64_t b = j / ct;
         if (g == 0 && b + 2 < nb) {  // the chunk's first pass reads it from memory: two blocks of the tile ahead, into L2
           const uint8_t* ahead = digit_codes<T>(tile, b + 2);
-          for (int l = 0; l < 256; l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T1);
+          for (int l = 0; l < (T == QType::Q8_0 ? 512 : 256); l += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T1);
           // (the scales: Q4_0 / Q4_1 before their codes, Q4_K's at the head of each 256 columns)
           const uint8_t* head = T == QType::Q4_K ? ((b + 2) % 8 == 0 ? tile + (b + 2) / 8 * kQ4_KTileBlockBytes : nullptr)
                                                  : tile + (b + 2) * kTileRows * block_bytes(T);
           if (head != nullptr)
             for (int l = 0; l < (T == QType::Q4_K ? 320 : 64); l += 64) _mm_prefetch(reinterpret_cast<const char*>(head + l), _MM_HINT_T1);
         }
-        convert_codes(digit_codes<T>(tile, b), ring + (j % kRing) * 512);
+        if constexpr (T == QType::Q8_0) convert_codes8(digit_codes<T>(tile, b), ring + (j % kRing) * 512);
+        else convert_codes(digit_codes<T>(tile, b), ring + (j % kRing) * 512);
       };
       const auto fold = [&](int64_t j) {
         const float* ca = sums + (j % kRing) * 512;
@@ -345,9 +367,7 @@ void run_digits(const DigitJob& job) {
   const int64_t m = job.x.m, tiles = job.tile_end - job.tile_begin, nb = job.x.nb, amx_end = job.x.amx_end;
   SideCursor side;
   side.start(job.side, job.side_begin, job.side_end, (amx_end + 15) / 16 * tiles * nb + vnni_bursts(m - amx_end, tiles, nb));
-  if constexpr (T != QType::Q8_0) {  // (prepare_x_digits gives Q8_0 no AMX rows)
-    if (amx_end > 0) amx_rows<T>(job, 0, amx_end, side);
-  }
+  if (amx_end > 0) amx_rows<T>(job, 0, amx_end, side);
   if (amx_end < m) {
     // rows in chunks (~256 KB of x's records kept in L2 while the tiles pass over them)
     const int64_t per = (int64_t{1} << 18) / (nb * kDigitRowBytes), chunk = per > kDigitMR ? per : kDigitMR;
@@ -387,7 +407,8 @@ alignas(64) constexpr int32_t kColumnOrder[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 
 // sum tiles' starting values come from the tile unit itself: the A tiles times a B tile of
 // bf16(-16) (exact: integers below 2^23 times a power of two), and Xb from them: (start_a +
 // start_b) / -16 is (sum X) u, the exact sum rounded once (+0 for 0).
-void build_group(const float* x, int64_t ldx, int rows, int64_t b0, int64_t b1, uint8_t* out, int64_t stride) {
+void build_group(const float* x, int64_t ldx, int rows, int64_t b0, int64_t b1, uint8_t* out, int64_t stride,
+                 bool bytes) {
   alignas(64) uint16_t minus16[16 * 32];
   for (uint16_t& v : minus16) v = 0xC180;  // bf16(-16)
   load_tile_config(rows);
@@ -399,7 +420,7 @@ void build_group(const float* x, int64_t ldx, int rows, int64_t b0, int64_t b1, 
     __mmask16 nan_rows = 0;
     for (int r = 0; r < rows; ++r) {
       BlockDigits dg;
-      if (!block_digits(x + r * ldx + 32 * b, kPairOrder, &dg)) {
+      if (!block_digits(x + r * ldx + 32 * b, bytes ? kColumnOrder : kPairOrder, &dg)) {
         nan_rows |= static_cast<__mmask16>(1u << r);
         for (int s = 0; s < 4; ++s) _mm512_store_si512(g + 1024 * s + 64 * r, _mm512_setzero_si512());
         continue;
@@ -420,6 +441,12 @@ void build_group(const float* x, int64_t ldx, int rows, int64_t b0, int64_t b1, 
       }
     }
     float* start = reinterpret_cast<float*>(g + 4096);
+    if (bytes) {  // the codes are q: the sums start at 0, and Xb (times m = 0) carries only NaN
+      for (int l = 0; l < 2048; l += 64) _mm512_store_si512(g + 4096 + l, _mm512_setzero_si512());
+      _mm512_store_ps(reinterpret_cast<float*>(g + 6 * 1024),
+                      _mm512_mask_mov_ps(_mm512_setzero_ps(), nan_rows, _mm512_set1_ps(__builtin_nanf(""))));
+      continue;
+    }
     _tile_loadd(0, g, 64);
     _tile_loadd(1, g + 1024, 64);
     _tile_loadd(2, g + 2048, 64);
@@ -462,11 +489,11 @@ bool amx_ready() {
   return ready;
 }
 
-void build_digit_blocks(const float* x, int64_t ldx, int64_t amx_end, int64_t b0, int64_t b1, uint8_t* out) {
+void build_digit_blocks(const float* x, int64_t ldx, int64_t amx_end, int64_t b0, int64_t b1, QType t, uint8_t* out) {
   const int64_t groups = (amx_end + 15) / 16;
   for (int64_t g = 0; g < groups; ++g)
     build_group(x + 16 * g * ldx, ldx, static_cast<int>(amx_end - 16 * g < 16 ? amx_end - 16 * g : 16), b0, b1,
-                out + g * kDigitGroupBlockBytes, groups * kDigitGroupBlockBytes);
+                out + g * kDigitGroupBlockBytes, groups * kDigitGroupBlockBytes, t == QType::Q8_0);
 }
 
 void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols, QType t, uint8_t* out,
