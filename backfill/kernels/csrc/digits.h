@@ -16,11 +16,12 @@
 //   S  = round(c) u                      (the exact sum x q rounded once: an fp32 holds it)
 //   Xb = round(sum_k X[k]) u             (the block's sum of x, rounded once)
 //   y  = fma(S, d, y), then y = fma(Xb, m, y), over the blocks in order from +0
-// (Q8_0: q its int8 codes, |c| < 2^35, and y = fma(S, d, y) only), then y + bias, + the old y where accumulating (as TileJob's). x loses what the grid cannot hold
-// (below 2^-23 of the block's largest |x|: about the error of one fp32 rounding of the block's
-// sum), so the numbers differ from the fp32 chains of TileJob by about an fp32 rounding, within
-// its accuracy bound. A block whose largest |x| is not finite or reaches 2^(kDigitMaxExp + 1)
-// gives NaN (its Xb), as an overflowing fp32 sum would give inf or NaN.
+// (Q8_0: q its int8 codes, |c| < 2^35, and y = fma(S, d, y) only), then y + bias, + the old y
+// where accumulating (as TileJob's). x loses what the grid cannot hold (below 2^-23 of the block's
+// largest |x|: about the error of one fp32 rounding of the block's sum), so the numbers differ from
+// the fp32 chains of TileJob by about an fp32 rounding, within its accuracy bound. A block whose
+// largest |x| is not finite or reaches 2^(kDigitMaxExp + 1) gives NaN (its S and Xb), as an
+// overflowing fp32 sum would give inf or NaN.
 //
 // The vector kernel (AVX-512 VNNI byte dots, int32 sums) takes X as three bytes, X = D2 2^16 +
 // D1 2^8 + D0 (D2 = X >> 16 signed, D1 and D0 unsigned): c = C2 2^16 + C1 2^8 + C0 with C the
@@ -45,7 +46,7 @@ namespace backfill {
 
 // The types the digit form computes: Q4_0, Q4_1 and Q4_K (nibble words, 32-column blocks or
 // sub-blocks; Q4_K's d and m those of a sub-block, its 6-bit scale and min applied, as
-// factored_row_ref gives them).
+// factored_row_ref gives them) and Q8_0 (byte words).
 inline bool digit_type(QType t) {
   return t == QType::Q4_0 || t == QType::Q4_1 || t == QType::Q4_K || t == QType::Q8_0;
 }
