@@ -36,17 +36,17 @@ void prepare_digits(const float* x, int64_t m, int64_t ldx, int64_t cols, QType 
         int32_t sum = 0;
         for (int j = 0; j < 32; ++j) {
           const int32_t v = std::min(static_cast<int32_t>(std::nearbyint(xb[digit_column(t, j)] * scale)), kDigitMax);
-          rec[j] = static_cast<uint8_t>(v >> 16);  // (int8)
-          rec[32 + j] = static_cast<uint8_t>((v >> 8) & 255);
-          rec[64 + j] = static_cast<uint8_t>(v & 255);
+          rec[digit_rec::kD2 + j] = static_cast<uint8_t>(v >> 16);  // (int8)
+          rec[digit_rec::kD1 + j] = static_cast<uint8_t>((v >> 8) & 255);
+          rec[digit_rec::kD0 + j] = static_cast<uint8_t>(v & 255);
           sum += v;
           sum2 += v >> 16;
         }
         xs = static_cast<float>(sum) * u;
       }
-      std::memcpy(rec + 96, &u, 4);
-      std::memcpy(rec + 100, &xs, 4);
-      std::memcpy(rec + 104, &sum2, 4);
+      std::memcpy(rec + digit_rec::kU, &u, 4);
+      std::memcpy(rec + digit_rec::kXb, &xs, 4);
+      std::memcpy(rec + digit_rec::kSumD2, &sum2, 4);
     }
   }
 }
@@ -62,12 +62,13 @@ void digits_gemm_scalar(const DigitJob& job) {
       const uint8_t* rec = job.x.rows + (i * nb + b) * kDigitRowBytes;
       int64_t c = 0;
       for (int j = 0; j < 32; ++j) {
-        const int64_t v = static_cast<int8_t>(rec[j]) * 65536 + rec[32 + j] * 256 + rec[64 + j];
+        const int64_t v = static_cast<int8_t>(rec[digit_rec::kD2 + j]) * 65536 + rec[digit_rec::kD1 + j] * 256 +
+                          rec[digit_rec::kD0 + j];
         c += (static_cast<int64_t>(codes[32 * b + digit_column(job.type, j)]) - offset) * v;
       }
       float u, xs;
-      std::memcpy(&u, rec + 96, 4);
-      std::memcpy(&xs, rec + 100, 4);
+      std::memcpy(&u, rec + digit_rec::kU, 4);
+      std::memcpy(&xs, rec + digit_rec::kXb, 4);
       acc = std::fma(static_cast<float>(c) * u, dw[b], acc);
       if (!q8) acc = std::fma(xs, mw[b], acc);
     }

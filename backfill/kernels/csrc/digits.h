@@ -77,6 +77,10 @@ constexpr int32_t kDigitMax = (1 << 23) - 1;
 // column of a row; Q8_0: 0), the 16 rows' Xb (0 past the group's rows; Q8_0: 0, NaN for a block
 // that gives NaN, which its m = 0 carries into y).
 constexpr int64_t kDigitRowBytes = 128;
+// A record's fields (byte offsets): the three digits' 32 bytes each, u, Xb, sum D2.
+namespace digit_rec {
+constexpr int64_t kD2 = 0, kD1 = 32, kD0 = 64, kU = 96, kXb = 100, kSumD2 = 104;
+}  // namespace digit_rec
 constexpr int64_t kDigitGroupBlockBytes = 6 * 1024 + 64;
 struct DigitRows {
   const uint8_t* rows;  // [m - amx_end][nb] records

@@ -58,11 +58,11 @@ void repack(const QMatrix& raw, uint8_t* out);
 bool subnormal_codes();
 void set_subnormal_codes(bool on);
 
-// Whether Q4_0 / Q4_1 / Q4_K / Q8_0 products run in the digit form (digits.h: x on a 24-bit fixed-point
-// grid per 32-column block, exact integer sums, one rounding a block), whose numbers the AMX tile
-// unit and the VNNI byte dots reproduce at any row count: on by default where the
-// CPU and OS run AMX and the AVX-512 VNNI kernels (BACKFILL_DIGITS=0 / 1 decides instead; BACKFILL_AMX_ROWS sets the fewest rows a
-// group of 16 runs AMX with, 0: never). Every ISA and batch agree in either form; the two forms
+// Whether Q4_0 / Q4_1 / Q4_K / Q8_0 products run in the digit form (digits.h: x on a 24-bit
+// fixed-point grid per 32-column block, exact integer sums, one rounding a block), whose numbers
+// the AMX tile unit and the VNNI byte dots reproduce at any row count: on by default where the CPU
+// and OS run AMX and the AVX-512 VNNI kernels (BACKFILL_DIGITS=0 / 1 decides instead;
+// BACKFILL_AMX_ROWS sets the fewest rows a group of 16 runs AMX with, 0: never). Every ISA and batch agree in either form; the two forms
 // differ by about one fp32 rounding a block. Not for use mid-GEMM.
 bool digit_form();
 void set_digit_form(bool on);

@@ -87,7 +87,7 @@ __attribute__((noinline)) void digit_block(const DigitJob& job, int64_t row0, in
     __m512i c2[MR][NT], c1[MR][NT], c0[MR][NT];
     DG_UNROLL for (int i = 0; i < MR; ++i) {
       rec[i] = job.x.rows + ((row0 + i - job.x.amx_end) * nb + b) * kDigitRowBytes;
-      const __m512i start = kBytes ? _mm512_set1_epi32(-128 * load_i32(rec[i] + 104)) : _mm512_setzero_si512();
+      const __m512i start = kBytes ? _mm512_set1_epi32(-128 * load_i32(rec[i] + digit_rec::kSumD2)) : _mm512_setzero_si512();
       DG_UNROLL for (int t = 0; t < NT; ++t) {
         c2[i][t] = start;
         c1[i][t] = c0[i][t] = _mm512_setzero_si512();
@@ -106,9 +106,9 @@ __attribute__((noinline)) void digit_block(const DigitJob& job, int64_t row0, in
         }
       }
       DG_UNROLL for (int i = 0; i < MR; ++i) {
-        const __m512i b2 = _mm512_set1_epi32(load_i32(rec[i] + 4 * p));
-        const __m512i b1 = _mm512_set1_epi32(load_i32(rec[i] + 32 + 4 * p));
-        const __m512i b0 = _mm512_set1_epi32(load_i32(rec[i] + 64 + 4 * p));
+        const __m512i b2 = _mm512_set1_epi32(load_i32(rec[i] + digit_rec::kD2 + 4 * p));
+        const __m512i b1 = _mm512_set1_epi32(load_i32(rec[i] + digit_rec::kD1 + 4 * p));
+        const __m512i b0 = _mm512_set1_epi32(load_i32(rec[i] + digit_rec::kD0 + 4 * p));
         DG_UNROLL for (int t = 0; t < NT; ++t) {
           c2[i][t] = _mm512_dpbusd_epi32(c2[i][t], ucode[t], b2);
           c1[i][t] = _mm512_dpbusd_epi32(c1[i][t], b1, scode[t]);
@@ -120,8 +120,8 @@ __attribute__((noinline)) void digit_block(const DigitJob& job, int64_t row0, in
     DG_UNROLL for (int t = 0; t < NT; ++t) digit_scales<T>(tiles[t], b, &d[t], &m[t]);
     DG_UNROLL for (int i = 0; i < MR; ++i) {
       float u, xs;
-      __builtin_memcpy(&u, rec[i] + 96, 4);
-      __builtin_memcpy(&xs, rec[i] + 100, 4);
+      __builtin_memcpy(&u, rec[i] + digit_rec::kU, 4);
+      __builtin_memcpy(&xs, rec[i] + digit_rec::kXb, 4);
       const VF xsv = vf_set1(xs);
       DG_UNROLL for (int t = 0; t < NT; ++t) {
         y[i][t] = vf_fma(VF{digit_sum(c2[i][t], c1[i][t], c0[i][t], u)}, d[t], y[i][t]);
@@ -525,22 +525,22 @@ void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols,
         __m512i d2[2];
         for (int h = 0; h < 2; ++h) {
           d2[h] = _mm512_srai_epi32(dg.x[h], 16);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + 16 * h), _mm512_cvtepi32_epi8(d2[h]));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + 32 + 16 * h),
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + digit_rec::kD2 + 16 * h), _mm512_cvtepi32_epi8(d2[h]));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + digit_rec::kD1 + 16 * h),
                            _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srli_epi32(dg.x[h], 8), byte)));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + 64 + 16 * h),
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(rec + digit_rec::kD0 + 16 * h),
                            _mm512_cvtepi32_epi8(_mm512_and_si512(dg.x[h], byte)));
         }
         u = dg.u;
         xs = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(dg.x[0], dg.x[1]))) * u;
         sum2 = _mm512_reduce_add_epi32(_mm512_add_epi32(d2[0], d2[1]));
       } else {
-        _mm512_storeu_si512(rec, _mm512_setzero_si512());
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(rec + 64), _mm256_setzero_si256());
+        _mm512_storeu_si512(rec + digit_rec::kD2, _mm512_setzero_si512());  // (D2 and D1)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(rec + digit_rec::kD0), _mm256_setzero_si256());
       }
-      __builtin_memcpy(rec + 96, &u, 4);
-      __builtin_memcpy(rec + 100, &xs, 4);
-      __builtin_memcpy(rec + 104, &sum2, 4);
+      __builtin_memcpy(rec + digit_rec::kU, &u, 4);
+      __builtin_memcpy(rec + digit_rec::kXb, &xs, 4);
+      __builtin_memcpy(rec + digit_rec::kSumD2, &sum2, 4);
     }
   }
 }
