@@ -187,9 +187,17 @@ int64_t vnni_bursts(int64_t rows, int64_t tiles, int64_t nb) {
 // 32 rows from memory: 8 tiles a chunk 1.22-1.25x the FMA kernels' speed, 12-24 1.35-1.41x.)
 
 constexpr int kAmxChunk = 16;
-constexpr int kConvAhead = 4;
-constexpr int kFoldLag = 4;
-constexpr int kRing = 8;  // > kConvAhead + kFoldLag: a slot is reused after both are done with it
+constexpr int kConvAhead = 3;
+constexpr int kFoldLag = 3;
+// The code tiles' and the sums' rings, apart: a B slot is written kConvAhead tile blocks before
+// its tile load and a sums slot read kFoldLag after its tile stores. Small, so that the loop's
+// lines stay in L1 (48 KB on a Sapphire Rapids) beside y (16 KB at 16 tiles) and the group's
+// blocks: its tile and vector stores to lines L1 has lost cost ~2x more (a microbenchmark: tile
+// work with 16 vector stores a tile block 35 ns with 32 KB of buffers, 57 with 48 KB). One
+// shared ring of 8 (16 KB of sums, 8 KB of codes): the default model's Q4_1 linears at 16 rows
+// ~5% slower on a 2-core Sapphire Rapids Xeon (in-process A/B, 7 rounds).
+constexpr int kBRing = 4;    // > kConvAhead, a power of two
+constexpr int kSumRing = 4;  // > kFoldLag, a power of two
 // With several groups of rows, a chunk's codes are converted once, by the first group, and kept for
 // the others while they take at most this much (else converted again per group, through the ring):
 // a Q8_0 tile block's conversion (~128 vector operations) costs about half its tile work at 16 rows
@@ -270,10 +278,10 @@ void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
   const int64_t nb = job.x.nb, tb = tile_bytes(T, job.cols), groups = (r1 - r0 + 15) / 16;
   const int64_t max_nj = nb * (job.tile_end - job.tile_begin < kAmxChunk ? job.tile_end - job.tile_begin : kAmxChunk);
   const int64_t keep_bytes = groups > 1 && max_nj * 1024 <= kKeepBytes ? max_nj * 1024 : 0;
-  uint8_t* scratch = amx_scratch(kRing * 512 * 4 + kRing * 512 * 2 + 16 * kAmxChunk * 16 * 4 + keep_bytes);
-  float* sums = reinterpret_cast<float*>(scratch);                   // [kRing][2][16][16]
-  uint16_t* ring = reinterpret_cast<uint16_t*>(sums + kRing * 512);  // [kRing][16][32]
-  float* ybuf = reinterpret_cast<float*>(ring + kRing * 512);        // [16][kAmxChunk][16]
+  uint8_t* scratch = amx_scratch(kSumRing * 512 * 4 + kBRing * 512 * 2 + 16 * kAmxChunk * 16 * 4 + keep_bytes);
+  float* sums = reinterpret_cast<float*>(scratch);                      // [kSumRing][2][16][16]
+  uint16_t* ring = reinterpret_cast<uint16_t*>(sums + kSumRing * 512);  // [kBRing][16][32]
+  float* ybuf = reinterpret_cast<float*>(ring + kBRing * 512);          // [16][kAmxChunk][16]
   uint16_t* kept = reinterpret_cast<uint16_t*>(ybuf + 16 * kAmxChunk * 16);  // [nj][16][32] (keep_bytes)
   int cfg_rows = -1;
   // the job's tiles in equal chunks of at most kAmxChunk (a short last chunk reloads the A tiles
@@ -286,7 +294,7 @@ void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
     const uint8_t* chunk = job.w + t0 * tb;
     const bool keep = keep_bytes > 0 && nj * 1024 <= keep_bytes;
     // the B tile of tile block j
-    const auto slot = [&](int64_t j) { return keep ? kept + j * 512 : ring + (j % kRing) * 512; };
+    const auto slot = [&](int64_t j) { return keep ? kept + j * 512 : ring + (j % kBRing) * 512; };
     for (int64_t g = 0; g < groups; ++g) {
       const bool convert = !keep || g == 0;
       const int rows = static_cast<int>(r1 - r0 - 16 * g < 16 ? r1 - r0 - 16 * g : 16);
@@ -316,7 +324,7 @@ void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
         else convert_codes(digit_codes<T>(tile, b), slot(j));
       };
       const auto fold = [&](int64_t j) {
-        const float* ca = sums + (j % kRing) * 512;
+        const float* ca = sums + (j % kSumRing) * 512;
         const float* cb = ca + 256;
         VF d, m;
         digit_scales<T>(tile_at(j), j / ct, &d, &m);
@@ -342,7 +350,7 @@ void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
         for (int tt = 0; tt < ct; ++tt, ++j) {
           side.burst();
           const uint16_t* bt = slot(j);
-          float* cdst = sums + (j % kRing) * 512;
+          float* cdst = sums + (j % kSumRing) * 512;
           _tile_loadd(5, a + 4096, 64);
           _tile_loadd(6, a + 4096 + 1024, 64);
           if (j & 1) {
