@@ -31,10 +31,9 @@
 // D2 (its sum started at -128 sum D2) and, their top bits flipped (q), the signed one against D1
 // and D0.
 // The AMX kernel (tile dot products of bf16 pairs, fp32 sums) holds XA = X >> 12 (signed) and XB =
-// X & 4095 as 6-bit digits (exact in bf16), times 2^12 u and u, against the codes as bf16(16 +
-// q), its sum tiles started at -16 (sum XA) 2^12 u and -16 (sum XB) u (Q8_0: the codes as bf16(q),
-// the sums started at 0; |q| <= 128 keeps them below 2^24 units too): every partial sum is an
-// integer below 2^24 times a power of two, so any summation order gives the same bits, the two
+// X & 4095 as 6-bit digits (exact in bf16), times 2^12 u and u, against the codes as bf16(q), its
+// two sum tiles started at 0 (|q| <= 15, Q8_0's <= 128, keep them below 2^24 units): every
+// partial sum is an integer below 2^24 times a power of two, so any summation order gives the same bits, the two
 // tiles' sum is c u rounded once, and u >= 2^-121 keeps every value normal (the unit flushes
 // subnormals). (Q8_0 on the AMX-INT8 unit instead, byte digits against the packed bytes as they
 // are: three int32 sum tiles a block to store and fold, no faster than the vector dots.)
@@ -73,15 +72,14 @@ constexpr int32_t kDigitMax = (1 << 23) - 1;
 // u, Xb (fp32), sum D2 (int32). Rows [0, amx_end) in groups of 16 for the AMX kernel instead (the
 // last one fewer), per group and block kDigitGroupBlockBytes: the 4 A tiles (1 KB each: 16 rows x
 // 32 bf16 in pair order (Q8_0: column order), XA's high and low 6 bits times 2^12 u, XB's times u),
-// the two sum tiles' starting values (1 KB each: -16 (sum XA) 2^12 u and -16 (sum XB) u in every
-// column of a row; Q8_0: 0), the 16 rows' Xb (0 past the group's rows; Q8_0: 0, NaN for a block
-// that gives NaN, which its m = 0 carries into y).
+// then the 16 rows' Xb (0 past the group's rows; Q8_0: 0, NaN for a block that gives NaN, which its
+// m = 0 carries into y).
 constexpr int64_t kDigitRowBytes = 128;
 // A record's fields (byte offsets): the three digits' 32 bytes each, u, Xb, sum D2.
 namespace digit_rec {
 constexpr int64_t kD2 = 0, kD1 = 32, kD0 = 64, kU = 96, kXb = 100, kSumD2 = 104;
 }  // namespace digit_rec
-constexpr int64_t kDigitGroupBlockBytes = 6 * 1024 + 64;
+constexpr int64_t kDigitGroupBlockBytes = 4 * 1024 + 64;
 struct DigitRows {
   const uint8_t* rows;  // [m - amx_end][nb] records
   int64_t m;
