@@ -281,6 +281,41 @@ DG_AI void convert_codes(const uint8_t* qs, uint16_t* out) {
   }
 }
 
+// Block b of `tile`'s codes as a B tile at out; `ahead`: the chunk's first pass over the weights,
+// which reads them from memory: two blocks of the tile ahead go into L2 beside it.
+template <QType T>
+DG_AI void convert_block(const uint8_t* tile, int64_t b, int64_t nb, bool ahead, uint16_t* out) {
+  if (ahead && b + 2 < nb) {
+    const uint8_t* next = digit_codes<T>(tile, b + 2);
+    for (int l = 0; l < (T == QType::Q8_0 ? 512 : 256); l += 64) _mm_prefetch(reinterpret_cast<const char*>(next + l), _MM_HINT_T1);
+    // (the scales: Q4_0 / Q4_1 before their codes, Q4_K's at the head of each 256 columns)
+    const uint8_t* head = T == QType::Q4_K ? ((b + 2) % 8 == 0 ? tile + (b + 2) / 8 * kQ4_KTileBlockBytes : nullptr)
+                                           : tile + (b + 2) * kTileRows * block_bytes(T);
+    if (head != nullptr)
+      for (int l = 0; l < (T == QType::Q4_K ? 320 : 64); l += 64) _mm_prefetch(reinterpret_cast<const char*>(head + l), _MM_HINT_T1);
+  }
+  if constexpr (T == QType::Q8_0) convert_codes8(digit_codes<T>(tile, b), out);
+  else convert_codes(digit_codes<T>(tile, b), out);
+}
+
+// A tile block's two sums (ca, ca + 256: [16][16] each) into y (its 16 rows, ystride apart):
+// y = fma(ca + cb, d, y), then fma(Xb, m, y), with d, m block b of `tile`'s and Xb its group block's.
+template <QType T>
+DG_AI void fold_block(const float* ca, const uint8_t* tile, int64_t b, const uint8_t* group_block, float* y,
+                      int64_t ystride) {
+  const float* cb = ca + 256;
+  VF d, m;
+  digit_scales<T>(tile, b, &d, &m);
+  const float* xs = reinterpret_cast<const float*>(group_block + 4096);
+  DG_UNROLL for (int i = 0; i < 16; ++i) {
+    const __m512 s = _mm512_add_ps(_mm512_load_ps(ca + 16 * i), _mm512_load_ps(cb + 16 * i));
+    __m512 yv = _mm512_load_ps(y + i * ystride);
+    yv = _mm512_fmadd_ps(s, d.v, yv);
+    yv = _mm512_fmadd_ps(_mm512_set1_ps(xs[i]), m.v, yv);
+    _mm512_store_ps(y + i * ystride, yv);
+  }
+}
+
 // Groups of rows [r0, r1) (16 each, the last one fewer) against the job's tiles on the tile unit.
 template <QType T>
 void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
@@ -326,36 +361,12 @@ void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
       };
       Cursor at_conv, at_fold;
       const auto conv = [&] {
-        const int64_t b = at_conv.b;
-        const uint8_t* tile = chunk + at_conv.tt * tb;
-        if (g == 0 && b + 2 < nb) {  // the chunk's first pass reads it from memory: two blocks of the tile ahead, into L2
-          const uint8_t* ahead = digit_codes<T>(tile, b + 2);
-          for (int l = 0; l < (T == QType::Q8_0 ? 512 : 256); l += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T1);
-          // (the scales: Q4_0 / Q4_1 before their codes, Q4_K's at the head of each 256 columns)
-          const uint8_t* head = T == QType::Q4_K ? ((b + 2) % 8 == 0 ? tile + (b + 2) / 8 * kQ4_KTileBlockBytes : nullptr)
-                                                 : tile + (b + 2) * kTileRows * block_bytes(T);
-          if (head != nullptr)
-            for (int l = 0; l < (T == QType::Q4_K ? 320 : 64); l += 64) _mm_prefetch(reinterpret_cast<const char*>(head + l), _MM_HINT_T1);
-        }
-        if constexpr (T == QType::Q8_0) convert_codes8(digit_codes<T>(tile, b), slot(at_conv.j));
-        else convert_codes(digit_codes<T>(tile, b), slot(at_conv.j));
+        convert_block<T>(chunk + at_conv.tt * tb, at_conv.b, nb, g == 0, slot(at_conv.j));
         at_conv.next(ct);
       };
       const auto fold = [&] {
-        const float* ca = sums + (at_fold.j % kSumRing) * 512;
-        const float* cb = ca + 256;
-        VF d, m;
-        digit_scales<T>(chunk + at_fold.tt * tb, at_fold.b, &d, &m);
-        const float* xs = reinterpret_cast<const float*>(grp[at_fold.b] + 4096);
-        float* yb = ybuf + at_fold.tt * 16;
-        DG_UNROLL for (int i = 0; i < 16; ++i) {
-          const __m512 s = _mm512_add_ps(_mm512_load_ps(ca + 16 * i), _mm512_load_ps(cb + 16 * i));
-          __m512 yv = _mm512_load_ps(yb + i * ystride);
-          yv = _mm512_fmadd_ps(s, d.v, yv);
-          yv = _mm512_fmadd_ps(_mm512_set1_ps(xs[i]), m.v, yv);
-          _mm512_store_ps(yb + i * ystride, yv);
-        }
+        fold_block<T>(sums + (at_fold.j % kSumRing) * 512, chunk + at_fold.tt * tb, at_fold.b, grp[at_fold.b],
+                      ybuf + at_fold.tt * 16, ystride);
         at_fold.next(ct);
       };
       if (convert)
