@@ -181,9 +181,10 @@ int64_t vnni_bursts(int64_t rows, int64_t tiles, int64_t nb) {
 // group's 4 A tiles stay in tile registers), tiles inner: the tile block's codes converted to
 // bf16(q) (a shift, an and and a word permute per 8 columns: convert_codes; Q8_0's ~4 operations a
 // column of 16: convert_codes8) kConvAhead tile blocks ahead into a ring, 4 TDPBF16PS into two
-// zeroed sum tiles, stored and folded into y kFoldLag tile blocks later. Tiles: 0-3 A, 4 and 7 B
-// (alternating), 5 and 6 the sums. (A 2-core Sapphire Rapids Xeon, a Q4_1 [3072, 576] at 16 and
-// 32 rows from memory: 8 tiles a chunk 1.22-1.25x the FMA kernels' speed, 12-24 1.35-1.41x.)
+// zeroed sum tiles, stored and folded into y kFoldLag tile blocks later. Tiles: 0-3 A, 4 B, 5-7
+// the sums in turn. (A 2-core Sapphire Rapids Xeon, a Q4_1 [3072, 576] at 16 rows from memory, one
+// thread: session 64's loop 1.45-1.5x the FMA kernels' speed, session 65's ~1.77x: the rings in
+// L1, codes as bf16(q) without start tiles, no divisions, the delayed tile stores.)
 
 constexpr int kAmxChunk = 16;
 constexpr int kConvAhead = 3;
@@ -220,7 +221,7 @@ void load_tile_config(int rows) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
-  const int group_tiles[] = {0, 1, 2, 3, 5, 6};  // A and the sums: the group's rows
+  const int group_tiles[] = {0, 1, 2, 3, 5, 6, 7};  // A and the sums: the group's rows
   for (int t : group_tiles) cfg.rows[t] = static_cast<uint8_t>(rows);
   _tile_loadconfig(&cfg);
 }
@@ -372,6 +373,7 @@ void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
       if (convert)
         for (int64_t j = 0; j < kConvAhead && j < nj; ++j) conv();
       int64_t j = 0;
+      int turn = 0;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* a = grp[b];
         _tile_loadd(0, a, 64);
@@ -380,28 +382,39 @@ void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
         _tile_loadd(3, a + 3072, 64);
         for (int tt = 0; tt < ct; ++tt, ++j) {
           side.burst();
-          const uint16_t* bt = slot(j);
           float* cdst = sums + (j % kSumRing) * 512;
-          _tile_zero(5);
-          _tile_zero(6);
-          if (j & 1) {
-            _tile_loadd(7, bt, 64);
-            _tile_dpbf16ps(5, 0, 7);
-            _tile_dpbf16ps(6, 2, 7);
-            _tile_dpbf16ps(5, 1, 7);
-            _tile_dpbf16ps(6, 3, 7);
+          float* prev = sums + ((j + kSumRing - 1) % kSumRing) * 512 + 256;  // tile block j - 1's second sum
+          _tile_loadd(4, slot(j), 64);
+          // Tile block j's two sums in sum tiles (X, Y), the pairs (5, 6), (7, 5), (6, 7) in turn,
+          // and each sum stored after the next one's TDPs have gone out (its own are then done):
+          // a tile store right after its TDPs waited for them, and the vector work behind it.
+#define DG_SUMS(X, Y, P)                              \
+  _tile_zero(X);                                      \
+  _tile_dpbf16ps(X, 0, 4);                            \
+  _tile_dpbf16ps(X, 1, 4);                            \
+  if (j > 0) _tile_stored(P, prev, 64);               \
+  _tile_zero(Y);                                      \
+  _tile_dpbf16ps(Y, 2, 4);                            \
+  _tile_dpbf16ps(Y, 3, 4);                            \
+  _tile_stored(X, cdst, 64);
+          if (turn == 0) {
+            DG_SUMS(5, 6, 7)
+          } else if (turn == 1) {
+            DG_SUMS(7, 5, 6)
           } else {
-            _tile_loadd(4, bt, 64);
-            _tile_dpbf16ps(5, 0, 4);
-            _tile_dpbf16ps(6, 2, 4);
-            _tile_dpbf16ps(5, 1, 4);
-            _tile_dpbf16ps(6, 3, 4);
+            DG_SUMS(6, 7, 5)
           }
-          _tile_stored(5, cdst, 64);
-          _tile_stored(6, cdst + 256, 64);
+#undef DG_SUMS
+          turn = turn == 2 ? 0 : turn + 1;
           if (convert && j + kConvAhead < nj) conv();
           if (j >= kFoldLag) fold();
         }
+      }
+      {  // the last tile block's second sum: in the tile its pair's turn left it in
+        float* last = sums + ((nj - 1) % kSumRing) * 512 + 256;
+        if (turn == 1) _tile_stored(6, last, 64);
+        else if (turn == 2) _tile_stored(5, last, 64);
+        else _tile_stored(7, last, 64);
       }
       while (at_fold.j < nj) fold();
       for (int i = 0; i < rows; ++i)
