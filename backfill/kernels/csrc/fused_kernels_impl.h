@@ -400,6 +400,7 @@ struct TileState {
   int32_t* lo;          // [rows_pad] first key position each row sees
   int32_t* hi;          // [rows_pad] last
   const CacheT* zeros;  // rows across lanes: [D, block_size], the K of a key no row sees
+  int64_t page_head;    // kv_prefetch_page_head()
 };
 
 // Where the keys of a key tile and of the next one (j < 2 BK: position kb + j) sit in this
@@ -430,14 +431,16 @@ void tile_rows(const TileState<CacheT>& st, int64_t kb, const KeyOffsets& off, c
 // buffers held a core's reads from memory to ~9 GB/s: on a Zen 4 EPYC (2 threads) a decode over
 // 1,000 keys, K/V from memory, took 59-66 us a layer against 91, over 4,000 keys 244-276 against
 // 366-371, 32 decodes over 128 keys 274-289 against 347-352; one or two key tiles further
-// ahead, no faster.
+// ahead, no faster. Where st.page_head is set, only the chunks that start within that many bytes
+// of a 4 KB page (the K chunk's offset; V's has the same): see kv_prefetch_page_head.
 // NOTE: always_inline: as a function of its own GCC finds it pure (prefetches write nothing)
 // and, as it returns nothing, deletes every call.
 template <typename CacheT>
 __attribute__((always_inline)) inline void prefetch_keys(const TileState<CacheT>& st, int64_t kb,
                                                          const KeyOffsets& off, int64_t begin, int64_t end) {
   for (int64_t j = begin; j < end && kb + j <= st.last; ++j)
-    if (kb + j >= st.first)
+    if (kb + j >= st.first &&
+        (st.page_head == 0 || (reinterpret_cast<uintptr_t>(st.k_cache + off.v[j]) & 4095) < static_cast<uintptr_t>(st.page_head)))
       for (int64_t x = 0; x < st.d_len; x += kLineElems<CacheT>) {
         __builtin_prefetch(st.k_cache + off.v[j] + x, 0, 2);
         __builtin_prefetch(st.v_cache + off.v[j] + x, 0, 2);
@@ -713,7 +716,7 @@ void attention_tile(const AttentionShape& s, const AttentionTile& t, const float
   CacheT* zeros = reinterpret_cast<CacheT*>(hi + rows_pad);
   const TileState<CacheT> st{s,          t,          k_cache, v_cache, d_len, group, rows, rows_pad, first,
                      last,       acc,        row_max, row_sum, alpha, folded_acc, folded_max,
-                     folded_sum, q_buf,      probs,   kt,      lo,    hi,    zeros};
+                     folded_sum, q_buf,      probs,   kt,      lo,    hi,    zeros, kv_prefetch_page_head()};
 
   for (int64_t i = 0; i < t.num_q; ++i) {
     const float* src = q + (t.token + i) * ldq + t.kv_head * group * d_len;  // [G, D]
