@@ -1,6 +1,6 @@
 // The digit form of the block types' products (qgemm.h: digit_form; Q4_0, Q4_1, Q4_K, Q8_0): exact
 // integer sums that the AMX tile unit, AVX-512 VNNI and plain C++ all compute to the same bits at
-// any row count, so a process can run AMX from a group of 12-16 rows and vector integer dots below
+// any row count, so a process can run AMX from a group of 10-16 rows and vector integer dots below
 // them without breaking batch invariance. Measured first in scripts/amx_digits.cpp (BENCHMARKS.md,
 // sessions 61-63). The grid holds 24 bits since session 64: 27 bits took 32 vpdpwssd (16-bit
 // pairs) a row, tile and block, as many as the FMA kernel's FMAs, and the vector dots ran ~0.8x its

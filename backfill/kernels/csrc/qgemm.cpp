@@ -95,15 +95,19 @@ bool use_digit_form() {
 }
 
 // The fewest rows a group of 16 runs on the tile unit with (0: none): a partial group below it
-// takes the vector dots (a 2-core Sapphire Rapids Xeon, the default model's Q4_1 shapes: at 10
-// rows the dots 1.00-1.06x the FMA kernels' speed, the tile unit 0.88-1.01x; at 12 even; at 14
-// the tile unit 1.13-1.34x, the dots ~1.0x).
+// takes the vector dots. The tile unit's time is its group's whatever its rows, the dots' grows
+// with them: on a 2-core Sapphire Rapids Xeon with session 65's tile loop (one thread, from
+// memory) the default model's Q4_1 shapes ran 1.0-1.08x faster on the tile unit at 6 rows, 1.4x
+// at 10; its Q8_0 LM head (two threads), whose codes cost ~4x more to convert, 0.78x at 8 rows,
+// 1.04x at 10, 1.10x at 12. In whole decode steps 6 rows lost (shards of 6 rows at batch 12 and
+// a team of 6 slower, batch 16 in shards of 8 slower than one team), 10 gained (batch 20-22,
+// shards of 10-11 rows, 3-9% faster than on the dots), all else the same as 12 (session 64's).
 int64_t amx_min_rows() {
   static const int64_t rows = [] {
     if (!amx_ready()) return int64_t{0};
     const char* env = std::getenv("BACKFILL_AMX_ROWS");
     if (env != nullptr && *env != '\0') return static_cast<int64_t>(std::atoi(env));
-    return int64_t{12};
+    return int64_t{10};
   }();
   return rows;
 }
