@@ -303,17 +303,22 @@ DG_AI void convert_block(const uint8_t* tile, int64_t b, int64_t nb, bool ahead,
 // y = fma(ca + cb, d, y), then fma(Xb, m, y), with d, m block b of `tile`'s and Xb its group block's.
 template <QType T>
 DG_AI void fold_block(const float* ca, const uint8_t* tile, int64_t b, const uint8_t* group_block, float* y,
-                      int64_t ystride) {
+                      int64_t ystride, int rows) {
   const float* cb = ca + 256;
   VF d, m;
   digit_scales<T>(tile, b, &d, &m);
   const float* xs = reinterpret_cast<const float*>(group_block + 4096);
-  DG_UNROLL for (int i = 0; i < 16; ++i) {
+  const auto row = [&](int i) __attribute__((always_inline)) {
     const __m512 s = _mm512_add_ps(_mm512_load_ps(ca + 16 * i), _mm512_load_ps(cb + 16 * i));
     __m512 yv = _mm512_load_ps(y + i * ystride);
     yv = _mm512_fmadd_ps(s, d.v, yv);
     yv = _mm512_fmadd_ps(_mm512_set1_ps(xs[i]), m.v, yv);
     _mm512_store_ps(y + i * ystride, yv);
+  };
+  if (rows == 16) {
+    DG_UNROLL for (int i = 0; i < 16; ++i) row(i);
+  } else {  // (a partial group's other rows are never stored)
+    for (int i = 0; i < rows; ++i) row(i);
   }
 }
 
@@ -367,7 +372,7 @@ void amx_rows(const DigitJob& job, int64_t r0, int64_t r1, SideCursor& side) {
       };
       const auto fold = [&] {
         fold_block<T>(sums + (at_fold.j % kSumRing) * 512, chunk + at_fold.tt * tb, at_fold.b, grp[at_fold.b],
-                      ybuf + at_fold.tt * 16, ystride);
+                      ybuf + at_fold.tt * 16, ystride, rows);
         at_fold.next(ct);
       };
       if (convert)
