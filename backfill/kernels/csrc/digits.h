@@ -33,10 +33,11 @@
 // The AMX kernel (tile dot products of bf16 pairs, fp32 sums) holds XA = X >> 12 (signed) and XB =
 // X & 4095 as 6-bit digits (exact in bf16), times 2^12 u and u, against the codes as bf16(q), its
 // two sum tiles started at 0 (|q| <= 15, Q8_0's <= 128, keep them below 2^24 units): every
-// partial sum is an integer below 2^24 times a power of two, so any summation order gives the same bits, the two
-// tiles' sum is c u rounded once, and u >= 2^-121 keeps every value normal (the unit flushes
-// subnormals). (Q8_0 on the AMX-INT8 unit instead, byte digits against the packed bytes as they
-// are: three int32 sum tiles a block to store and fold, no faster than the vector dots.)
+// partial sum is an integer below 2^24 times a power of two, so any summation order gives the
+// same bits, the two tiles' sum is c u rounded once, and u >= 2^-121 keeps every value normal
+// (the unit flushes subnormals). (Q8_0 on the AMX-INT8 unit instead, byte digits against the
+// packed bytes as they are: three int32 sum tiles a block to store and fold, no faster than the
+// vector dots.)
 #pragma once
 
 #include "packed.h"
