@@ -80,7 +80,8 @@ constexpr int64_t kDigitRowBytes = 128;
 namespace digit_rec {
 constexpr int64_t kD2 = 0, kD1 = 32, kD0 = 64, kU = 96, kXb = 100, kSumD2 = 104;
 }  // namespace digit_rec
-constexpr int64_t kDigitGroupBlockBytes = 4 * 1024 + 64;
+constexpr int64_t kDigitGroupXb = 4 * 1024;  // a group block's Xb (16 fp32), after its 4 A tiles
+constexpr int64_t kDigitGroupBlockBytes = kDigitGroupXb + 64;
 struct DigitRows {
   const uint8_t* rows;  // [m - amx_end][nb] records
   int64_t m;

@@ -62,8 +62,9 @@ void set_subnormal_codes(bool on);
 // fixed-point grid per 32-column block, exact integer sums, one rounding a block), whose numbers
 // the AMX tile unit and the VNNI byte dots reproduce at any row count: on by default where the CPU
 // and OS run AMX and the AVX-512 VNNI kernels (BACKFILL_DIGITS=0 / 1 decides instead;
-// BACKFILL_AMX_ROWS sets the fewest rows a group of 16 runs AMX with, 0: never). Every ISA and batch agree in either form; the two forms
-// differ by about one fp32 rounding a block. Not for use mid-GEMM.
+// BACKFILL_AMX_ROWS sets the fewest rows a group of 16 runs AMX with, 0: never). Every ISA and
+// batch agree in either form; the two forms differ by about one fp32 rounding a block. Not for use
+// mid-GEMM.
 bool digit_form();
 void set_digit_form(bool on);
 // Whether the digit form runs on the AMX tile unit in this process.

@@ -307,7 +307,7 @@ DG_AI void fold_block(const float* ca, const uint8_t* tile, int64_t b, const uin
   const float* cb = ca + 256;
   VF d, m;
   digit_scales<T>(tile, b, &d, &m);
-  const float* xs = reinterpret_cast<const float*>(group_block + 4096);
+  const float* xs = reinterpret_cast<const float*>(group_block + kDigitGroupXb);
   const auto row = [&](int i) __attribute__((always_inline)) {
     const __m512 s = _mm512_add_ps(_mm512_load_ps(ca + 16 * i), _mm512_load_ps(cb + 16 * i));
     __m512 yv = _mm512_load_ps(y + i * ystride);
@@ -478,6 +478,10 @@ DG_AI bool block_digits(const float* x, const int32_t* order, BlockDigits* out) 
   }
   return true;
 }
+// The block's Xb (digits.h): its exact int32 sum of X (|sum X| < 2^28) rounded once, times u.
+DG_AI float block_xb(const BlockDigits& dg) {
+  return static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(dg.x[0], dg.x[1]))) * dg.u;
+}
 
 // The byte order (digit_byte_column) within each 16 columns.
 alignas(64) constexpr int32_t kByteOrder[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
@@ -499,7 +503,7 @@ void build_group(const float* x, int64_t ldx, int rows, int64_t b0, int64_t b1, 
         for (int s = 0; s < 4; ++s) _mm512_store_si512(g + 1024 * s + 64 * r, _mm512_setzero_si512());
         continue;
       }
-      if (!bytes) xb[r] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(dg.x[0], dg.x[1]))) * dg.u;
+      if (!bytes) xb[r] = block_xb(dg);
       const __m512 ua = _mm512_set1_ps(dg.u * 4096.0f), ub = _mm512_set1_ps(dg.u);
       const __m512i xa[2] = {_mm512_srai_epi32(dg.x[0], 12), _mm512_srai_epi32(dg.x[1], 12)};
       const __m512i xl[2] = {_mm512_and_si512(dg.x[0], low12), _mm512_and_si512(dg.x[1], low12)};
@@ -514,7 +518,7 @@ void build_group(const float* x, int64_t ldx, int rows, int64_t b0, int64_t b1, 
         _mm512_store_si512(g + 1024 * s + 64 * r, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
       }
     }
-    _mm512_store_ps(reinterpret_cast<float*>(g + 4096), _mm512_load_ps(xb));
+    _mm512_store_ps(reinterpret_cast<float*>(g + kDigitGroupXb), _mm512_load_ps(xb));
   }
 }
 
@@ -567,7 +571,7 @@ void prepare_digits_avx512(const float* x, int64_t m, int64_t ldx, int64_t cols,
                            _mm512_cvtepi32_epi8(_mm512_and_si512(dg.x[h], byte)));
         }
         u = dg.u;
-        xs = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(dg.x[0], dg.x[1]))) * u;
+        xs = block_xb(dg);
         sum2 = _mm512_reduce_add_epi32(_mm512_add_epi32(d2[0], d2[1]));
       } else {
         _mm512_storeu_si512(rec + digit_rec::kD2, _mm512_setzero_si512());  // (D2 and D1)
